@@ -1,0 +1,12 @@
+//! clusterip: the Service virtual-IP subsystem of a Kubernetes control plane.
+//!
+//! Modules are named for what they are in Kubernetes:
+//! - [`cidr`]: a service CIDR as an ordered set of usable addresses, with the static band.
+//! - [`alloc`]: the allocation map (pure, no I/O): static and dynamic allocation, release.
+//! - [`cli`]: the `clusterip` command line.
+//! - [`telemetry`]: logging set-up shared by every binary.
+
+pub mod alloc;
+pub mod cidr;
+pub mod cli;
+pub mod telemetry;

@@ -152,6 +152,7 @@ start_kube-apiserver() {
   spawn kube-apiserver "$K8S_BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" --etcd-prefix /registry \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+    --endpoint-reconciler-type none \
     --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
     --client-ca-file "$pki/ca.crt" --token-auth-file "$pki/tokens.csv" \
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
@@ -229,6 +230,8 @@ CLUSTERIP_ETCD_ENDPOINTS=http://127.0.0.1:$ETCD_PORT
 CLUSTERIP_APISERVER=https://127.0.0.1:$APISERVER_PORT
 CLUSTERIP_APISERVER_SERVICE_CIDRS=$SERVICE_CIDRS
 EOF
+  # A failed start leaves nothing running (the log tail was already printed).
+  trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; stopping what was started"; cmd_down quiet; fi' EXIT
   local c
   for c in "${COMPONENTS[@]}"; do
     log "starting $c"
@@ -236,6 +239,7 @@ EOF
     wait_ready "$c" 120
     log "$c ready"
   done
+  trap - EXIT
   echo "export KUBECONFIG=$state/kubeconfig"
 }
 

@@ -46,7 +46,7 @@ async fn service_gets_a_cluster_ip_recorded_as_an_ipaddress() {
     // The apiserver's allocator recorded the address as an IPAddress owned by the Service.
     let ipaddresses: Api<IPAddress> = Api::all(client.clone());
     let record = ipaddresses.get(&ip.to_string()).await.expect("IPAddress named by the clusterIP");
-    let parent = record.spec.and_then(|s| s.parent_ref).expect("parentRef");
+    let parent = record.spec.parent_ref;
     assert_eq!((parent.resource.as_str(), parent.namespace.as_deref(), parent.name.as_str()), ("services", Some("default"), name.as_str()));
     let labels = record.metadata.labels.unwrap_or_default();
     assert_eq!(labels.get("ipaddress.kubernetes.io/managed-by").map(String::as_str), Some("ipallocator.k8s.io"));

@@ -4,6 +4,9 @@
 #   scripts/dev-cluster.sh up       build (once, cached), start, wait for /readyz, print KUBECONFIG
 #   scripts/dev-cluster.sh down     stop exactly what `up` started (pid files) and remove the state
 #   scripts/dev-cluster.sh status   say what runs; exit 0 when everything is up and ready
+#   scripts/dev-cluster.sh stop C   stop one component (etcd, kube-apiserver) of a running cluster
+#   scripts/dev-cluster.sh start C  start it again with the same state, ports and flags
+#                                   (fault tests use these two)
 #
 # State lives in .cluster/ at the repository root (git-ignored), or in CLUSTERIP_CLUSTER_DIR.
 # Binaries are built from Go modules into ${CLUSTERIP_CACHE:-~/.cache/clusterip}, keyed by the
@@ -21,7 +24,12 @@ builder="$repo/scripts/lib/build-go-binaries.sh"
 
 # The apiserver's own service ranges (both families; the first is the default family).
 SERVICE_CIDRS=${CLUSTERIP_APISERVER_SERVICE_CIDRS:-198.19.0.0/16,fd00:10:96::/112}
+# Our own ranges: a strict subset of the apiserver's, so our choices are easy to tell apart.
+CONTROLLER_CIDRS=${CLUSTERIP_SERVICE_CIDRS:-198.19.0.0/17,fd00:10:96::/113}
+# CLUSTERIP_CONTROLLER=0 leaves the clusterip controller out (the test suite starts its own).
+ALL_COMPONENTS=(etcd kube-apiserver clusterip-controller)
 COMPONENTS=(etcd kube-apiserver)
+[ "${CLUSTERIP_CONTROLLER:-1}" = 0 ] || COMPONENTS+=(clusterip-controller)
 
 log() { echo "dev-cluster: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -48,12 +56,15 @@ binary_of() {
   case "$1" in
     etcd) echo "$ETCD_BIN/etcd" ;;
     kube-apiserver) echo "$K8S_BIN/kube-apiserver" ;;
+    clusterip-controller) echo "$repo/target/${CLUSTERIP_PROFILE:-debug}/clusterip" ;;
     *) return 1 ;;
   esac
 }
 
 stop_component() {
   local name=$1 pid
+  # Unregister the webhook first, or the apiserver refuses every Service meanwhile.
+  [ "$name" = clusterip-controller ] && live_pid kube-apiserver >/dev/null && unregister_webhooks
   if pid=$(live_pid "$name"); then
     log "stopping $name (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
@@ -101,6 +112,11 @@ EOF
       -keyout admin.key -out admin.csr 2>/dev/null
     openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
       -extfile client.ext -out admin.crt 2>/dev/null
+    # the clusterip webhook's serving certificate (the apiserver calls it on loopback).
+    printf 'subjectAltName = IP:127.0.0.1, DNS:localhost\nextendedKeyUsage = serverAuth\n' > webhook.ext
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=clusterip-webhook" -keyout webhook.key -out webhook.csr 2>/dev/null
+    openssl x509 -req -in webhook.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
+      -extfile webhook.ext -out webhook.crt 2>/dev/null
     # service-account token signing key.
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
@@ -179,6 +195,61 @@ kubectl_too_old() {
   [ "$minor" -lt $((want - 1)) ]
 }
 
+start_clusterip-controller() {
+  local pki="$state/pki" profile=${CLUSTERIP_PROFILE:-debug} flags=()
+  [ "$profile" = release ] && flags+=(--release)
+  log "building clusterip ($profile)"
+  (cd "$repo" && cargo build --quiet "${flags[@]}" --bin clusterip)
+  spawn clusterip-controller "$repo/target/$profile/clusterip" controller \
+    --backend "${CLUSTERIP_BACKEND:-etcd}" --service-cidr "$CONTROLLER_CIDRS" \
+    --etcd-endpoints "http://127.0.0.1:$ETCD_PORT" --kubeconfig "$state/kubeconfig" \
+    --webhook-bind-address "127.0.0.1:$WEBHOOK_PORT" --metrics-bind-address "127.0.0.1:$CONTROLLER_METRICS_PORT" \
+    --tls-cert-file "$pki/webhook.crt" --tls-private-key-file "$pki/webhook.key"
+  wait_ready clusterip-controller 60
+  register_webhooks
+}
+ready_clusterip-controller() { curl -fsS --max-time 2 "http://127.0.0.1:$CONTROLLER_METRICS_PORT/readyz" 2>/dev/null | grep -q '^ok$'; }
+
+# Point the kube-apiserver at the controller's webhook (failurePolicy Fail: no Service
+# gets an address we did not choose while the webhook is registered).
+register_webhooks() {
+  local ca; ca=$(base64 -w0 < "$state/pki/ca.crt")
+  "$repo/scripts/kubectl.sh" --kubeconfig "$state/kubeconfig" apply -f - >/dev/null <<EOF
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata: {name: clusterip-dev}
+webhooks:
+- name: assign.clusterip.allocator
+  clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/mutate", caBundle: "$ca"}
+  rules: [{apiGroups: [""], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [services], scope: Namespaced}]
+  namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [kube-system]}]}
+  failurePolicy: Fail
+  sideEffects: NoneOnDryRun
+  admissionReviewVersions: [v1]
+  timeoutSeconds: 10
+  reinvocationPolicy: Never
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata: {name: clusterip-dev}
+webhooks:
+- name: validate.clusterip.allocator
+  clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate", caBundle: "$ca"}
+  rules: [{apiGroups: [""], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [services], scope: Namespaced}]
+  namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [kube-system]}]}
+  failurePolicy: Fail
+  sideEffects: None
+  admissionReviewVersions: [v1]
+  timeoutSeconds: 10
+EOF
+}
+
+unregister_webhooks() {
+  [ -f "$state/kubeconfig" ] || return 0
+  "$repo/scripts/kubectl.sh" --kubeconfig "$state/kubeconfig" delete --ignore-not-found --wait=false \
+    mutatingwebhookconfiguration/clusterip-dev validatingwebhookconfiguration/clusterip-dev >/dev/null 2>&1 || true
+}
+
 wait_ready() {
   local name=$1 deadline=$((SECONDS + ${2:-120}))
   until "ready_$name"; do
@@ -215,11 +286,15 @@ cmd_up() {
   ETCD_PEER_PORT=$(pick_port $((ETCD_PORT + 10)))
   ETCD_METRICS_PORT=$(pick_port $((ETCD_PEER_PORT + 10)))
   APISERVER_PORT=$(pick_port "${CLUSTERIP_APISERVER_PORT:-26443}")
+  WEBHOOK_PORT=$(pick_port "${CLUSTERIP_WEBHOOK_PORT:-29443}")
+  CONTROLLER_METRICS_PORT=$(pick_port $((WEBHOOK_PORT + 10)))
   cat > "$state/ports.env" <<EOF
 ETCD_PORT=$ETCD_PORT
 ETCD_PEER_PORT=$ETCD_PEER_PORT
 ETCD_METRICS_PORT=$ETCD_METRICS_PORT
 APISERVER_PORT=$APISERVER_PORT
+WEBHOOK_PORT=$WEBHOOK_PORT
+CONTROLLER_METRICS_PORT=$CONTROLLER_METRICS_PORT
 EOF
   gen_certs
   write_kubeconfig
@@ -229,6 +304,9 @@ KUBECONFIG=$state/kubeconfig
 CLUSTERIP_ETCD_ENDPOINTS=http://127.0.0.1:$ETCD_PORT
 CLUSTERIP_APISERVER=https://127.0.0.1:$APISERVER_PORT
 CLUSTERIP_APISERVER_SERVICE_CIDRS=$SERVICE_CIDRS
+CLUSTERIP_SERVICE_CIDRS=$CONTROLLER_CIDRS
+CLUSTERIP_WEBHOOK_URL=https://127.0.0.1:$WEBHOOK_PORT
+CLUSTERIP_METRICS_URL=http://127.0.0.1:$CONTROLLER_METRICS_PORT
 EOF
   # A failed start leaves nothing running (the log tail was already printed).
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; stopping what was started"; cmd_down quiet; fi' EXIT
@@ -236,7 +314,7 @@ EOF
   for c in "${COMPONENTS[@]}"; do
     log "starting $c"
     "start_$c"
-    wait_ready "$c" 120
+    wait_ready "$c" 300
     log "$c ready"
   done
   trap - EXIT
@@ -245,7 +323,8 @@ EOF
 
 cmd_down() {
   local i
-  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop_component "${COMPONENTS[$i]}"; done
+  # Everything a pid file names, whatever this invocation's CLUSTERIP_CONTROLLER says.
+  for ((i = ${#ALL_COMPONENTS[@]} - 1; i >= 0; i--)); do stop_component "${ALL_COMPONENTS[$i]}"; done
   if [ -d "$state" ]; then
     rm -rf "$state"
     [ "${1:-}" = quiet ] || log "stopped; removed $state"
@@ -269,9 +348,32 @@ cmd_status() {
   return $ok
 }
 
+component_arg() {
+  local c
+  for c in "${ALL_COMPONENTS[@]}"; do [ "$c" = "${1:-}" ] && return 0; done
+  die "unknown component '${1:-}'; one of: ${COMPONENTS[*]}"
+}
+
+cmd_stop() {
+  component_arg "$1"
+  stop_component "$1"
+}
+
+cmd_start() {
+  component_arg "$1"
+  load_ports || die "no cluster in $state; run '$0 up' first"
+  bin_dirs
+  live_pid "$1" >/dev/null && { log "$1 already running"; return 0; }
+  "start_$1"
+  wait_ready "$1" 120
+  log "$1 ready"
+}
+
 case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  stop) cmd_stop "${2:-}" ;;
+  start) cmd_start "${2:-}" ;;
+  *) echo "usage: $0 up|down|status|stop COMPONENT|start COMPONENT" >&2; exit 2 ;;
 esac

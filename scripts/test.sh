@@ -19,7 +19,7 @@ trap cleanup EXIT INT TERM
 # Compile first (no cluster needed), so a build error shows before anything starts.
 cargo test --workspace --no-run
 
-scripts/dev-cluster.sh up >/dev/null
+CLUSTERIP_CONTROLLER=0 scripts/dev-cluster.sh up >/dev/null
 export CLUSTERIP_TEST_CLUSTER=$CLUSTERIP_CLUSTER_DIR
 export CLUSTERIP_KUBECONFIG=$CLUSTERIP_CLUSTER_DIR/kubeconfig
 

@@ -9,4 +9,8 @@
 pub mod alloc;
 pub mod cidr;
 pub mod cli;
+pub mod controller;
+pub mod metrics;
+pub mod store;
 pub mod telemetry;
+pub mod webhook;

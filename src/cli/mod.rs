@@ -1,5 +1,9 @@
 //! The `clusterip` command line: one subcommand per job.
 
+mod allocate;
+pub mod backend;
+mod controller;
+
 use clap::{Parser, Subcommand};
 
 use crate::telemetry::LogFormat;
@@ -22,6 +26,15 @@ pub enum Command {
     /// Print the facts of a service CIDR: usable size, first and last address, the static
     /// band (reserved for requested addresses) and the dynamic band (handed out first).
     Range(RangeArgs),
+    /// Reserve addresses in the allocation records: chosen ones (--count, from the dynamic
+    /// band first) or requested ones (--ip). Prints one address per line.
+    Allocate(allocate::AllocateArgs),
+    /// Release addresses from the allocation records.
+    Release(allocate::ReleaseArgs),
+    /// Run the controller: the admission webhook that assigns ClusterIPs from our ranges
+    /// (mutating) and rejects addresses we cannot honour with HTTP 422 (validating), plus
+    /// /metrics, /healthz and /readyz.
+    Controller(controller::ControllerArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -43,9 +56,20 @@ pub enum OutputFormat {
 /// Run the parsed command line; returns the process exit code.
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Range(args) => {
-            let _ = args;
-            anyhow::bail!("not yet built")
-        }
+        Command::Range(args) => range(args),
+        Command::Allocate(args) => allocate::allocate(args).await,
+        Command::Release(args) => allocate::release(args).await,
+        Command::Controller(args) => controller::run(args).await,
     }
+}
+
+/// `clusterip range CIDR`: the range's facts as text or JSON.
+fn range(args: RangeArgs) -> anyhow::Result<i32> {
+    let cidr = crate::cidr::ServiceCidr::parse(&args.cidr)?;
+    let facts = cidr.facts();
+    match args.output {
+        OutputFormat::Text => println!("{facts}"),
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&facts)?),
+    }
+    Ok(0)
 }

@@ -17,6 +17,16 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub struct ControlPlane {
     dir: PathBuf,
     env: HashMap<String, String>,
+    /// Stopped (and its directory removed) when dropped: true only for `private()` ones.
+    stop_on_drop: bool,
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if self.stop_on_drop {
+            let _ = self.script().arg("down").status();
+        }
+    }
 }
 
 static SHARED: OnceLock<Arc<ControlPlane>> = OnceLock::new();
@@ -45,6 +55,7 @@ fn start_or_reuse() -> ControlPlane {
     let status = Command::new(repo_root().join("scripts/dev-cluster.sh"))
         .arg("up")
         .env("CLUSTERIP_CLUSTER_DIR", &dir)
+        .env("CLUSTERIP_CONTROLLER", "0")
         .status()
         .expect("run scripts/dev-cluster.sh");
     assert!(status.success(), "scripts/dev-cluster.sh up failed ({status})");
@@ -69,7 +80,44 @@ impl ControlPlane {
             .filter_map(|l| l.split_once('='))
             .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
             .collect();
-        Ok(Self { dir: dir.to_path_buf(), env })
+        Ok(Self { dir: dir.to_path_buf(), env, stop_on_drop: false })
+    }
+
+    /// A control plane of its own for a test that breaks it (stops etcd, say): started now,
+    /// stopped and removed when the value is dropped, failed test included.
+    pub fn private(tag: &str) -> ControlPlane {
+        let dir = std::env::temp_dir().join(format!("clusterip-{tag}-{}", std::process::id()));
+        let status = Command::new(repo_root().join("scripts/dev-cluster.sh"))
+            .arg("up")
+            .env("CLUSTERIP_CLUSTER_DIR", &dir)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("run scripts/dev-cluster.sh");
+        let mut cp = ControlPlane::read(&dir).unwrap_or_else(|e| {
+            let _ = Command::new(repo_root().join("scripts/dev-cluster.sh")).arg("down").env("CLUSTERIP_CLUSTER_DIR", &dir).status();
+            panic!("private control plane in {}: {e}", dir.display())
+        });
+        cp.stop_on_drop = true;
+        assert!(status.success(), "scripts/dev-cluster.sh up failed ({status})");
+        cp
+    }
+
+    fn script(&self) -> Command {
+        let mut cmd = Command::new(repo_root().join("scripts/dev-cluster.sh"));
+        cmd.env("CLUSTERIP_CLUSTER_DIR", &self.dir);
+        cmd
+    }
+
+    /// Stop one component ("etcd", "kube-apiserver"), keeping its state.
+    pub fn stop(&self, component: &str) {
+        let status = self.script().args(["stop", component]).status().expect("dev-cluster.sh stop");
+        assert!(status.success(), "stopping {component} failed");
+    }
+
+    /// Start a stopped component again and wait until it is ready.
+    pub fn start(&self, component: &str) {
+        let status = self.script().args(["start", component]).status().expect("dev-cluster.sh start");
+        assert!(status.success(), "starting {component} failed");
     }
 
     /// The cluster's state directory (`.cluster/` or a temporary one).

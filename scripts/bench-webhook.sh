@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Admission latency of the clusterip webhook through a real kube-apiserver, side by side:
+# COUNT concurrent Service creates (default 500) with the kube-apiserver allocating alone,
+# then with our webhook (release build, etcd backend) assigning the addresses.
+#
+#   scripts/bench-webhook.sh
+#   COUNT=200 CLUSTERIP_BACKEND=ipaddress scripts/bench-webhook.sh
+#
+# Prints the webhook's own answer latency (p50/p99, from its histogram) and the ratio of
+# end-to-end create latency with and without it.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+COUNT=${COUNT:-500}
+export CLUSTERIP_PROFILE=release CLUSTERIP_BACKEND=${CLUSTERIP_BACKEND:-etcd}
+export CLUSTERIP_CLUSTER_DIR
+CLUSTERIP_CLUSTER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-bench-webhook.XXXXXX")
+trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"' EXIT INT TERM
+
+cargo build --release --quiet --bin clusterip
+cargo bench --quiet --bench webhook_burst --no-run 2>/dev/null
+burst=$(ls -t target/release/deps/webhook_burst-* | grep -v '\.d$' | head -n 1)
+scripts/dev-cluster.sh up >/dev/null 2>&1
+. "$CLUSTERIP_CLUSTER_DIR/env"
+
+# Without the webhook: the kube-apiserver's own allocator alone.
+scripts/dev-cluster.sh stop clusterip-controller >/dev/null 2>&1
+plain=$("$burst" "$KUBECONFIG" bench-plain "$COUNT")
+echo "# kube-apiserver alone:  $plain"
+# With it.
+scripts/dev-cluster.sh start clusterip-controller >/dev/null 2>&1
+# The apiserver picks webhook configurations up asynchronously: wait until a probe Service
+# gets one of our addresses (198.19.0.0/17).
+for _ in $(seq 1 100); do
+  ip=$(scripts/kubectl.sh create service clusterip "probe-$RANDOM" --tcp=80 -o jsonpath='{.spec.clusterIP}' 2>/dev/null || true)
+  case "$ip" in 198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*) break ;; esac
+  sleep 0.2
+done
+with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL")
+echo "# with clusterip webhook: $(echo "$with" | head -n 1)"
+get() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" <<<"$2" | head -n 1; }
+mp50=$(get webhook_mutate_p50_ms "$with"); mp99=$(get webhook_mutate_p99_ms "$with")
+vp50=$(get webhook_validate_p50_ms "$with"); vp99=$(get webhook_validate_p99_ms "$with")
+echo "RESULT webhook_mutate_latency p50_ms=$mp50 p99_ms=$mp99 target_p99_ms=2"
+echo "RESULT webhook_validate_latency p50_ms=$vp50 p99_ms=$vp99 target_p99_ms=2"
+for q in p50 p99 mean; do
+  a=$(get "create_${q}_ms" "$(echo "$with" | head -n 1)"); b=$(get "create_${q}_ms" "$plain")
+  echo "RESULT create_${q} ours_ms=$a kubernetes_ms=$b ratio=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')"
+done

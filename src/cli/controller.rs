@@ -1,0 +1,172 @@
+//! `clusterip controller`: the control-plane Deployment's entrypoint. Serves the admission
+//! webhook over HTTPS and metrics/health over HTTP.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tracing::info;
+
+use crate::controller::events::ServiceEvents;
+use crate::controller::leader::{self, LeaseConfig};
+use crate::controller::{servicecidrs, services};
+use crate::metrics::Metrics;
+use crate::store::metered::MeteredStore;
+use crate::webhook::admission::Admission;
+use crate::webhook::apiserver_ips::ApiserverIps;
+use crate::webhook::{server, tls};
+
+use super::backend::BackendArgs;
+
+#[derive(Debug, clap::Args)]
+pub struct ControllerArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+
+    /// Address of the HTTPS admission webhook (POST /mutate, POST /validate).
+    #[arg(long, default_value = "0.0.0.0:9443")]
+    pub webhook_bind_address: SocketAddr,
+
+    /// PEM certificate chain the webhook serves; re-read when the file changes.
+    #[arg(long, env = "CLUSTERIP_TLS_CERT_FILE")]
+    pub tls_cert_file: PathBuf,
+
+    /// PEM private key of the serving certificate; re-read when the file changes.
+    #[arg(long, env = "CLUSTERIP_TLS_PRIVATE_KEY_FILE")]
+    pub tls_private_key_file: PathBuf,
+
+    /// Address of the plain-HTTP endpoint for /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub metrics_bind_address: SocketAddr,
+
+    /// Run the reconcilers only while holding the leader Lease (every replica serves the
+    /// webhook either way). Turn off only for a single replica.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+
+    /// Namespace of the leader Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
+    pub leader_elect_namespace: String,
+
+    /// Name of the leader Lease.
+    #[arg(long, default_value = "clusterip-controller")]
+    pub leader_elect_lease_name: String,
+
+    /// Identity in the Lease (default: POD_NAME, else host name and process id).
+    #[arg(long, env = "POD_NAME")]
+    pub leader_elect_identity: Option<String>,
+
+    /// How long a Lease stays valid without renewal, e.g. 15s.
+    #[arg(long, default_value = "15s", value_parser = crate::store::etcd::parse_duration)]
+    pub leader_elect_lease_duration: std::time::Duration,
+
+    /// How often the leader renews the Lease (and others try to take it), e.g. 2s.
+    #[arg(long, default_value = "2s", value_parser = crate::store::etcd::parse_duration)]
+    pub leader_elect_retry_period: std::time::Duration,
+}
+
+fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "clusterip".into());
+    format!("{host}-{}", std::process::id())
+}
+
+pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
+    let metrics = Arc::new(Metrics::new());
+    let tls = tls::server_config(args.tls_cert_file.clone(), args.tls_private_key_file.clone()).map_err(anyhow::Error::msg)?;
+    let store = args.backend.open().await?;
+    let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
+
+    // What the cluster already records (the kube-apiserver's own allocations included):
+    // never handed out, and recorded in our backend so the two agree.
+    let client = super::backend::kube_client(args.backend.kubeconfig.as_deref()).await?;
+    let (recorded, mut synced, _watch) = ApiserverIps::start(client.clone());
+    tokio::time::timeout(std::time::Duration::from_secs(60), synced.wait_for(|s| *s))
+        .await
+        .context("the IPAddress list did not arrive within 60s: is the kube-apiserver reachable?")?
+        .context("IPAddress watch stopped")?;
+    let mut seeded = 0;
+    if store.backend() == "etcd" {
+        // (The ipaddress backend already counts every IPAddress object as allocated.)
+        for ip in recorded.snapshot() {
+            if store.ranges().iter().any(|c| c.contains(ip)) && store.allocate(ip, None).await.is_ok() {
+                seeded += 1;
+            }
+        }
+    }
+    if seeded > 0 {
+        info!(seeded, "recorded addresses the cluster already uses in our ranges");
+    }
+    let store = Arc::new(MeteredStore::new(store, metrics.clone()));
+    let admission = Arc::new(Admission::new(store.clone(), Some(recorded)));
+
+    let webhook = TcpListener::bind(args.webhook_bind_address)
+        .await
+        .with_context(|| format!("binding the webhook to {}", args.webhook_bind_address))?;
+    let metrics_listener = TcpListener::bind(args.metrics_bind_address)
+        .await
+        .with_context(|| format!("binding metrics to {}", args.metrics_bind_address))?;
+    info!(backend = ?args.backend.backend, ranges = %ranges.join(","), "clusterip controller started");
+
+    let web = tokio::spawn(server::serve(webhook, tls, admission, metrics.clone()));
+    let identity = args.leader_elect_identity.clone().unwrap_or_else(default_identity);
+    let events = ServiceEvents::new(client.clone(), Some(identity.clone()));
+    let reconcilers = {
+        let (client, store, metrics) = (client.clone(), store.clone(), metrics.clone());
+        move || -> tokio::task::JoinHandle<()> {
+            let store: Arc<dyn crate::store::AllocationStore> = store.clone();
+            let cidr_ctx = Arc::new(servicecidrs::Context { client: client.clone(), store: store.clone(), metrics: metrics.clone() });
+            let svc = services::run(client.clone(), store, events.clone(), metrics.clone());
+            tokio::spawn(async move {
+                tokio::join!(svc, servicecidrs::run(cidr_ctx));
+            })
+        }
+    };
+    let _reconcile = if args.leader_elect {
+        let (tx, mut leading) = tokio::sync::watch::channel(false);
+        let cfg = LeaseConfig {
+            namespace: args.leader_elect_namespace.clone(),
+            name: args.leader_elect_lease_name.clone(),
+            identity,
+            duration: args.leader_elect_lease_duration,
+            renew: args.leader_elect_retry_period,
+        };
+        let election = tokio::spawn(leader::run(client.clone(), cfg, tx));
+        let runner = tokio::spawn(async move {
+            let mut running: Option<tokio::task::JoinHandle<()>> = None;
+            while leading.changed().await.is_ok() {
+                let lead = *leading.borrow();
+                match (lead, running.take()) {
+                    (true, None) => running = Some(reconcilers()),
+                    (true, Some(r)) => running = Some(r),
+                    (false, Some(r)) => r.abort(),
+                    (false, None) => {}
+                }
+            }
+        });
+        vec![election, runner]
+    } else {
+        vec![reconcilers()]
+    };
+    let mon = tokio::spawn(crate::metrics::serve(metrics_listener, metrics, store));
+    tokio::select! {
+        r = web => r.context("webhook server stopped")?,
+        r = mon => r.context("metrics server stopped")?,
+        r = tokio::signal::ctrl_c() => {
+            r.context("waiting for a signal")?;
+            info!("interrupted; stopping");
+        }
+        _ = sigterm() => info!("terminated; stopping"),
+    }
+    Ok(0)
+}
+
+async fn sigterm() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut s) => {
+            s.recv().await;
+        }
+        Err(_) => std::future::pending::<()>().await,
+    }
+}

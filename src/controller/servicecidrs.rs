@@ -1,0 +1,149 @@
+//! The ServiceCIDR reconciler (Kubernetes' service-cidr-controller, which lives in
+//! kube-controller-manager; control planes that run clusterip instead get it here):
+//! - a live ServiceCIDR gets the finalizer `networking.k8s.io/service-cidr-finalizer` and
+//!   the condition `Ready=True`;
+//! - a ServiceCIDR being deleted keeps the finalizer, with `Ready=False`, reason
+//!   `Terminating` and a message that says why, while an address that only it covers is in
+//!   use (an IPAddress object, or a record of ours); otherwise the finalizer is removed once
+//!   10 s have passed since the deletion began (Kubernetes' grace period).
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::cidr::{self, ServiceCidr};
+use crate::metrics::{ControllerLabels, Metrics};
+use crate::store::AllocationStore;
+
+pub const FINALIZER: &str = "networking.k8s.io/service-cidr-finalizer";
+pub const FIELD_MANAGER: &str = "clusterip-controller";
+const READY_MESSAGE: &str = "Kubernetes Service CIDR is ready";
+const TERMINATING_MESSAGE: &str = "There are still IPAddresses referencing the ServiceCIDR, please remove them or create a new ServiceCIDR";
+const DELETION_GRACE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("allocation records: {0}")]
+    Store(#[from] crate::store::StoreError),
+}
+
+pub struct Context {
+    pub client: kube::Client,
+    pub store: Arc<dyn AllocationStore>,
+    pub metrics: Arc<Metrics>,
+}
+
+fn prefixes(sc: &ServiceCIDR) -> Vec<ServiceCidr> {
+    sc.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default().iter().filter_map(|c| ServiceCidr::parse(c).ok()).collect()
+}
+
+fn ready_condition(sc: &ServiceCIDR) -> Option<&Condition> {
+    sc.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == "Ready")
+}
+
+async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
+    if let Some(c) = ready_condition(sc) {
+        if c.status == status && c.reason == reason && c.message == message {
+            return Ok(());
+        }
+    }
+    let name = sc.metadata.name.clone().unwrap_or_default();
+    let cond = Condition {
+        type_: "Ready".into(),
+        status: status.into(),
+        reason: reason.into(),
+        message: message.into(),
+        last_transition_time: Time(Timestamp::now()),
+        observed_generation: sc.metadata.generation,
+    };
+    let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "status": {"conditions": [cond]}});
+    api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+    Ok(())
+}
+
+/// Addresses in use that only `sc` covers: IPAddress objects and our own records.
+async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR]) -> Result<Vec<IpAddr>, Error> {
+    let mine = prefixes(sc);
+    let others: Vec<ServiceCidr> = all
+        .iter()
+        .filter(|o| o.metadata.name != sc.metadata.name && o.metadata.deletion_timestamp.is_none())
+        .flat_map(prefixes)
+        .collect();
+    let only_here = |ip: &IpAddr| mine.iter().any(|c| c.contains(*ip)) && !others.iter().any(|c| c.contains(*ip));
+    let mut used: Vec<IpAddr> = Api::<IPAddress>::all(ctx.client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter_map(|a| cidr::parse_ip(a.metadata.name.as_deref()?).ok())
+        .filter(only_here)
+        .collect();
+    used.extend(ctx.store.allocated().await?.into_iter().filter(only_here));
+    used.sort();
+    used.dedup();
+    Ok(used)
+}
+
+async fn reconcile(sc: Arc<ServiceCIDR>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
+    let name = sc.metadata.name.clone().unwrap_or_default();
+    let finalizers = sc.metadata.finalizers.clone().unwrap_or_default();
+    let has_finalizer = finalizers.iter().any(|f| f == FINALIZER);
+
+    if let Some(deleted) = &sc.metadata.deletion_timestamp {
+        if !has_finalizer {
+            return Ok(Action::await_change());
+        }
+        let all = api.list(&ListParams::default()).await?.items;
+        let used = addresses_only_here(&ctx, &sc, &all).await?;
+        if !used.is_empty() {
+            set_ready(&api, &sc, "False", "Terminating", TERMINATING_MESSAGE).await?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+        let since = Timestamp::now().duration_since(deleted.0);
+        if since < DELETION_GRACE.try_into().unwrap_or_default() {
+            let wait = DELETION_GRACE.saturating_sub(Duration::try_from(since).unwrap_or_default());
+            return Ok(Action::requeue(wait.max(Duration::from_millis(100))));
+        }
+        let rest: Vec<String> = finalizers.into_iter().filter(|f| f != FINALIZER).collect();
+        let patch = json!({"metadata": {"finalizers": rest, "resourceVersion": sc.metadata.resource_version}});
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        info!(servicecidr = %name, "no address depends on the ServiceCIDR any more; finalizer removed");
+        return Ok(Action::await_change());
+    }
+    if !has_finalizer {
+        let mut with = finalizers;
+        with.push(FINALIZER.into());
+        let patch = json!({"metadata": {"finalizers": with, "resourceVersion": sc.metadata.resource_version}});
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    }
+    set_ready(&api, &sc, "True", "ServiceCIDRReady", READY_MESSAGE).await?;
+    Ok(Action::await_change())
+}
+
+fn error_policy(_sc: Arc<ServiceCIDR>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics.reconcile_errors.get_or_create(&ControllerLabels { controller: "servicecidr" }).inc();
+    warn!(error = %err, "ServiceCIDR reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(2))
+}
+
+/// Run until the task is dropped.
+pub async fn run(ctx: Arc<Context>) {
+    let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
+    Controller::new(api, watcher::Config::default())
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| futures::future::ready(()))
+        .await;
+}

@@ -1,0 +1,184 @@
+//! Prometheus metrics of the controller, named after Kubernetes' own under our prefix
+//! `clusterip_` (Kubernetes: `kube_apiserver_clusterip_allocator_*`).
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `clusterip_allocator_allocated_ips` | gauge | cidr |
+//! | `clusterip_allocator_available_ips` | gauge | cidr |
+//! | `clusterip_allocator_allocation_total` | counter | cidr, scope (static, dynamic) |
+//! | `clusterip_allocator_allocation_errors_total` | counter | cidr, scope |
+//! | `clusterip_allocator_allocation_duration_seconds` | histogram | cidr |
+//! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate), allowed |
+//! | `clusterip_webhook_bad_requests_total` | counter | operation |
+//! | `clusterip_reconcile_errors_total` | counter | controller |
+
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CidrLabels {
+    pub cidr: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScopeLabels {
+    pub cidr: String,
+    pub scope: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WebhookLabels {
+    pub operation: &'static str,
+    pub allowed: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OperationLabels {
+    pub operation: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ControllerLabels {
+    pub controller: &'static str,
+}
+
+/// The controller's metrics and their registry.
+pub struct Metrics {
+    registry: Registry,
+    pub allocated_ips: Family<CidrLabels, Gauge>,
+    pub available_ips: Family<CidrLabels, Gauge>,
+    pub allocation_total: Family<ScopeLabels, Counter>,
+    pub allocation_errors_total: Family<ScopeLabels, Counter>,
+    pub allocation_duration: Family<CidrLabels, Histogram>,
+    pub webhook_duration: Family<WebhookLabels, Histogram>,
+    pub webhook_bad_requests: Family<OperationLabels, Counter>,
+    pub reconcile_errors: Family<ControllerLabels, Counter>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 25 µs … ~7 s in steps of 1.5×: admission answers take well under a millisecond.
+    Histogram::new(exponential_buckets(0.000025, 1.5, 32))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut m = Self {
+            registry: Registry::with_prefix("clusterip"),
+            allocated_ips: Family::default(),
+            available_ips: Family::default(),
+            allocation_total: Family::default(),
+            allocation_errors_total: Family::default(),
+            allocation_duration: Family::new_with_constructor(latency_histogram),
+            webhook_duration: Family::new_with_constructor(latency_histogram),
+            webhook_bad_requests: Family::default(),
+            reconcile_errors: Family::default(),
+        };
+        let registry = &mut m.registry;
+        let alloc = registry.sub_registry_with_prefix("allocator");
+        alloc.register("allocated_ips", "Gauge measuring the number of allocated IPs for Services", m.allocated_ips.clone());
+        alloc.register("available_ips", "Gauge measuring the number of available IPs for Services", m.available_ips.clone());
+        alloc.register("allocation", "Number of Cluster IPs allocations", m.allocation_total.clone());
+        alloc.register("allocation_errors", "Number of errors trying to allocate Cluster IPs", m.allocation_errors_total.clone());
+        alloc.register_with_unit(
+            "allocation_duration",
+            "Duration in seconds to allocate a Cluster IP by ServiceCIDR",
+            prometheus_client::registry::Unit::Seconds,
+            m.allocation_duration.clone(),
+        );
+        let web = registry.sub_registry_with_prefix("webhook");
+        web.register_with_unit(
+            "admission_duration",
+            "Time to answer one AdmissionReview, by operation and whether it was allowed",
+            prometheus_client::registry::Unit::Seconds,
+            m.webhook_duration.clone(),
+        );
+        web.register("bad_requests", "AdmissionReview requests rejected as malformed (HTTP 400)", m.webhook_bad_requests.clone());
+        registry.register("reconcile_errors", "Reconciliation failures, by controller", m.reconcile_errors.clone());
+        m
+    }
+
+    pub fn webhook_latency(&self, operation: &'static str, allowed: bool, d: Duration) {
+        let allowed = if allowed { "true" } else { "false" };
+        self.webhook_duration.get_or_create(&WebhookLabels { operation, allowed }).observe(d.as_secs_f64());
+    }
+
+    pub fn webhook_bad_request(&self, operation: &'static str) {
+        self.webhook_bad_requests.get_or_create(&OperationLabels { operation }).inc();
+    }
+
+    pub fn allocation(&self, cidr: &str, scope: &'static str, ok: bool, d: Duration) {
+        let labels = ScopeLabels { cidr: cidr.to_string(), scope };
+        if ok {
+            self.allocation_total.get_or_create(&labels).inc();
+        } else {
+            self.allocation_errors_total.get_or_create(&labels).inc();
+        }
+        self.allocation_duration.get_or_create(&CidrLabels { cidr: cidr.to_string() }).observe(d.as_secs_f64());
+    }
+
+    pub fn set_usage(&self, cidr: &str, used: u64, free: u64) {
+        let l = CidrLabels { cidr: cidr.to_string() };
+        self.allocated_ips.get_or_create(&l).set(i64::try_from(used).unwrap_or(i64::MAX));
+        self.available_ips.get_or_create(&l).set(i64::try_from(free).unwrap_or(i64::MAX));
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Serve `/metrics`, `/healthz`, `/readyz` over plain HTTP until the task is dropped. The
+/// allocated/available gauges are refreshed from the store on each scrape.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>, store: std::sync::Arc<crate::store::metered::MeteredStore>) {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    use hyper::{Response, StatusCode};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else { continue };
+        let metrics = metrics.clone();
+        let store = store.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let metrics = metrics.clone();
+                let store = store.clone();
+                async move {
+                    let (status, body) = match req.uri().path() {
+                        "/metrics" => {
+                            let _ = store.refresh_gauges().await;
+                            (StatusCode::OK, metrics.encode())
+                        }
+                        "/healthz" | "/livez" => (StatusCode::OK, "ok".to_string()),
+                        "/readyz" => match crate::store::AllocationStore::usage(store.as_ref()).await {
+                            Ok(_) => (StatusCode::OK, "ok".to_string()),
+                            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("allocation store not ready: {e}")),
+                        },
+                        _ => (StatusCode::NOT_FOUND, "not found; try /metrics, /healthz or /readyz".to_string()),
+                    };
+                    let mut resp = Response::new(Full::new(Bytes::from(body)));
+                    *resp.status_mut() = status;
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tcp), svc).await;
+        });
+    }
+}

@@ -1,0 +1,518 @@
+//! The IPAddress backend: one `networking.k8s.io/v1` IPAddress object per allocated address.
+//!
+//! - The object is named by the canonical text of the address; **creating it is the lock**:
+//!   `AlreadyExists` means another writer (another replica, the kube-apiserver's own
+//!   allocator, anyone) holds the address, so the next candidate is tried, a bounded number
+//!   of times. Any other error is returned and the candidate is freed locally.
+//! - Candidates come from a watch-fed cache (one allocation map per range, the same map the
+//!   etcd backend uses), never from a list per allocation.
+//! - Objects we create carry `spec.parentRef` and the labels
+//!   `ipaddress.kubernetes.io/ip-family` and `ipaddress.kubernetes.io/managed-by=<manager>`.
+//!   Objects managed by anyone else count as allocated and are never changed or deleted.
+//! - Ranges come from flags and from ServiceCIDR objects (when enabled). A ServiceCIDR that
+//!   is being deleted, or whose Ready condition is not True, gives no new addresses (a
+//!   ServiceCIDR with no Ready condition yet counts as ready, as in Kubernetes).
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference, ServiceCIDR};
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Client;
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use crate::alloc::{AllocError, AllocationMap};
+use crate::cidr::{self, Family, ServiceCidr};
+
+use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
+
+/// Label naming the address family of an IPAddress.
+pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
+/// Label naming the controller that manages an IPAddress.
+pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
+/// Our value of the managed-by label.
+pub const DEFAULT_MANAGER: &str = "clusterip.allocator";
+/// The kube-apiserver's value of the managed-by label.
+pub const KUBE_APISERVER_MANAGER: &str = "ipallocator.k8s.io";
+/// Candidates tried after `AlreadyExists` before a dynamic allocation gives up.
+pub const MAX_COLLISIONS: usize = 64;
+
+/// How the IPAddress backend finds its ranges and names itself.
+#[derive(Clone, Debug)]
+pub struct IpAddressConfig {
+    /// Ranges given on the command line (always allocatable).
+    pub ranges: Vec<ServiceCidr>,
+    /// Also allocate from the ServiceCIDR objects of the cluster.
+    pub use_servicecidrs: bool,
+    /// Value of the managed-by label on objects we create.
+    pub manager: String,
+    /// parentRef written when a caller names no parent.
+    pub default_parent: ParentRef,
+    /// How long `open` waits for the first full sync of the caches.
+    pub sync_timeout: Duration,
+}
+
+impl Default for IpAddressConfig {
+    fn default() -> Self {
+        Self {
+            ranges: Vec::new(),
+            use_servicecidrs: false,
+            manager: DEFAULT_MANAGER.into(),
+            default_parent: ParentRef {
+                group: "clusterip.allocator".into(),
+                resource: "reservations".into(),
+                namespace: None,
+                name: "unassigned".into(),
+            },
+            sync_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One range and its two maps: what the watch has seen (`observed`) and what may not be
+/// handed out (`taken` = observed ∪ our creates in flight).
+struct RangeState {
+    cidr: ServiceCidr,
+    observed: AllocationMap,
+    taken: AllocationMap,
+    allocatable: bool,
+}
+
+#[derive(Default)]
+struct State {
+    synced_ipaddresses: bool,
+    synced_servicecidrs: bool,
+    /// Every IPAddress the watch has seen, with whether we manage it.
+    objects: BTreeMap<IpAddr, bool>,
+    /// Our creates in flight.
+    pending: HashSet<IpAddr>,
+    /// Ranges from ServiceCIDR objects: cidr → allocatable (ready and not deleting).
+    from_servicecidrs: BTreeMap<String, Vec<(ServiceCidr, bool)>>,
+    ranges: Vec<RangeState>,
+}
+
+impl State {
+    fn ready(&self, want_servicecidrs: bool) -> bool {
+        self.synced_ipaddresses && (!want_servicecidrs || self.synced_servicecidrs)
+    }
+
+    fn observe(&mut self, ip: IpAddr, ours: bool) {
+        self.objects.insert(ip, ours);
+        for r in self.ranges.iter_mut().filter(|r| r.cidr.contains(ip)) {
+            let _ = r.observed.allocate(ip);
+            let _ = r.taken.allocate(ip);
+        }
+    }
+
+    fn forget(&mut self, ip: IpAddr) {
+        self.objects.remove(&ip);
+        let pending = self.pending.contains(&ip);
+        for r in self.ranges.iter_mut().filter(|r| r.cidr.contains(ip)) {
+            r.observed.release(ip);
+            if !pending {
+                r.taken.release(ip);
+            }
+        }
+    }
+
+    /// Recompute the range list from flags + ServiceCIDRs, keeping existing maps.
+    fn rebuild_ranges(&mut self, flag_ranges: &[ServiceCidr]) {
+        let mut wanted: Vec<(ServiceCidr, bool)> = flag_ranges.iter().map(|c| (c.clone(), true)).collect();
+        for list in self.from_servicecidrs.values() {
+            for (cidr, ok) in list {
+                match wanted.iter_mut().find(|(c, _)| c == cidr) {
+                    Some(entry) => entry.1 |= *ok,
+                    None => wanted.push((cidr.clone(), *ok)),
+                }
+            }
+        }
+        let mut old: Vec<RangeState> = std::mem::take(&mut self.ranges);
+        for (cidr, allocatable) in wanted {
+            if let Some(pos) = old.iter().position(|r| r.cidr == cidr) {
+                let mut r = old.swap_remove(pos);
+                r.allocatable = allocatable;
+                self.ranges.push(r);
+                continue;
+            }
+            let mut observed = AllocationMap::new(cidr.clone());
+            for ip in self.objects.keys().filter(|ip| cidr.contains(**ip)) {
+                let _ = observed.allocate(*ip);
+            }
+            let mut taken = observed.clone();
+            for ip in self.pending.iter().filter(|ip| cidr.contains(**ip)) {
+                let _ = taken.allocate(*ip);
+            }
+            self.ranges.push(RangeState { cidr, observed, taken, allocatable });
+        }
+    }
+
+    fn not_in_range(&self, ip: IpAddr) -> StoreError {
+        let family = Family::of(ip);
+        let valid: Vec<String> = self
+            .ranges
+            .iter()
+            .filter(|r| r.allocatable && r.cidr.family() == family)
+            .map(|r| r.cidr.to_string())
+            .collect();
+        StoreError::Alloc(AllocError::NotInRange { ip, valid_range: valid.join(", ") })
+    }
+}
+
+/// Allocation records as IPAddress objects.
+pub struct IpAddressStore {
+    api: Api<IPAddress>,
+    cfg: IpAddressConfig,
+    state: Arc<Mutex<State>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for IpAddressStore {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn family_label(family: Family) -> &'static str {
+    match family {
+        Family::IPv4 => "IPv4",
+        Family::IPv6 => "IPv6",
+    }
+}
+
+impl IpAddressStore {
+    /// Start the watches and wait until the caches hold a full list.
+    pub async fn open(client: Client, cfg: IpAddressConfig) -> Result<Self, StoreError> {
+        if cfg.ranges.is_empty() && !cfg.use_servicecidrs {
+            return Err(StoreError::Backend("no service CIDR configured: give ranges or enable ServiceCIDR objects".into()));
+        }
+        let state = Arc::new(Mutex::new(State::default()));
+        lock(&state).rebuild_ranges(&cfg.ranges);
+        let (changed_tx, mut changed_rx) = watch::channel(());
+        let mut tasks = vec![tokio::spawn(watch_ipaddresses(Api::all(client.clone()), state.clone(), cfg.manager.clone(), changed_tx.clone()))];
+        if cfg.use_servicecidrs {
+            tasks.push(tokio::spawn(watch_servicecidrs(Api::all(client.clone()), state.clone(), cfg.ranges.clone(), changed_tx)));
+        }
+        let store = Self { api: Api::all(client), cfg, state, tasks };
+        let deadline = tokio::time::Instant::now() + store.cfg.sync_timeout;
+        while !lock(&store.state).ready(store.cfg.use_servicecidrs) {
+            if tokio::time::timeout_at(deadline, changed_rx.changed()).await.is_err() {
+                return Err(StoreError::Unavailable(format!(
+                    "IPAddress cache not synced within {:?}: is the kube-apiserver reachable, and does it serve networking.k8s.io/v1?",
+                    store.cfg.sync_timeout
+                )));
+            }
+        }
+        Ok(store)
+    }
+
+    fn check_ready(&self) -> Result<(), StoreError> {
+        if lock(&self.state).ready(self.cfg.use_servicecidrs) {
+            Ok(())
+        } else {
+            Err(StoreError::NotReady)
+        }
+    }
+
+    fn object(&self, ip: IpAddr, parent: Option<&ParentRef>) -> IPAddress {
+        let parent = parent.unwrap_or(&self.cfg.default_parent);
+        IPAddress {
+            metadata: ObjectMeta {
+                name: Some(ip.to_string()),
+                labels: Some(
+                    [
+                        (LABEL_IP_FAMILY.to_string(), family_label(Family::of(ip)).to_string()),
+                        (LABEL_MANAGED_BY.to_string(), self.cfg.manager.clone()),
+                    ]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            spec: IPAddressSpec {
+                parent_ref: ParentReference {
+                    group: Some(parent.group.clone()).filter(|g| !g.is_empty()),
+                    resource: parent.resource.clone(),
+                    namespace: parent.namespace.clone(),
+                    name: parent.name.clone(),
+                },
+            },
+        }
+    }
+
+    /// Create the object for a candidate the caller already marked taken and pending.
+    /// Ok(true) = ours now; Ok(false) = somebody else holds it (AlreadyExists).
+    async fn create(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<bool, StoreError> {
+        let result = self.api.create(&PostParams::default(), &self.object(ip, parent)).await;
+        let mut st = lock(&self.state);
+        st.pending.remove(&ip);
+        match result {
+            Ok(_) => {
+                // Record it now; the watch will confirm it.
+                st.observe(ip, true);
+                Ok(true)
+            }
+            Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "AlreadyExists" => {
+                // Taken by someone: keep it out of the candidates until the watch says otherwise.
+                if !st.objects.contains_key(&ip) {
+                    st.objects.insert(ip, false);
+                    for r in st.ranges.iter_mut().filter(|r| r.cidr.contains(ip)) {
+                        let _ = r.observed.allocate(ip);
+                    }
+                }
+                Ok(false)
+            }
+            Err(e) => {
+                if !st.objects.contains_key(&ip) {
+                    for r in st.ranges.iter_mut().filter(|r| r.cidr.contains(ip)) {
+                        r.taken.release(ip);
+                    }
+                }
+                Err(api_error("creating IPAddress", &ip.to_string(), e))
+            }
+        }
+    }
+}
+
+fn api_error(what: &str, name: &str, e: kube::Error) -> StoreError {
+    match &e {
+        kube::Error::Api(s) if s.code >= 500 || s.code == 429 => StoreError::Unavailable(format!("{what} {name}: {e}")),
+        kube::Error::Api(_) => StoreError::Backend(format!("{what} {name}: {e}")),
+        _ => StoreError::Unavailable(format!("{what} {name}: {e}")),
+    }
+}
+
+#[async_trait]
+impl AllocationStore for IpAddressStore {
+    fn backend(&self) -> &'static str {
+        "ipaddress"
+    }
+
+    fn ranges(&self) -> Vec<ServiceCidr> {
+        lock(&self.state).ranges.iter().filter(|r| r.allocatable).map(|r| r.cidr.clone()).collect()
+    }
+
+    async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
+        self.check_ready()?;
+        {
+            let mut st = lock(&self.state);
+            let Some(i) = st.ranges.iter().position(|r| r.allocatable && r.cidr.contains(ip)) else {
+                return Err(st.not_in_range(ip));
+            };
+            st.ranges[i].taken.allocate(ip)?;
+            st.pending.insert(ip);
+        }
+        if self.create(ip, parent).await? {
+            Ok(())
+        } else {
+            Err(StoreError::Alloc(AllocError::Allocated))
+        }
+    }
+
+    async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
+        self.check_ready()?;
+        let mut collisions = 0;
+        loop {
+            let candidate = {
+                let mut st = lock(&self.state);
+                let mut any = false;
+                let mut found = None;
+                for r in st.ranges.iter_mut().filter(|r| r.allocatable && r.cidr.family() == family) {
+                    any = true;
+                    match r.taken.allocate_next() {
+                        Ok(ip) => {
+                            found = Some(ip);
+                            break;
+                        }
+                        Err(AllocError::Full) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                match found {
+                    Some(ip) => {
+                        st.pending.insert(ip);
+                        ip
+                    }
+                    None if any => return Err(StoreError::Alloc(AllocError::Full)),
+                    None => return Err(StoreError::NoRangeForFamily(family)),
+                }
+            };
+            if self.create(candidate, parent).await? {
+                return Ok(candidate);
+            }
+            collisions += 1;
+            debug!(ip = %candidate, collisions, "IPAddress already exists; trying the next candidate");
+            if collisions >= MAX_COLLISIONS {
+                return Err(StoreError::Unavailable(format!(
+                    "{collisions} candidate addresses were taken by other writers in a row; try again"
+                )));
+            }
+        }
+    }
+
+    async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
+        self.check_ready()?;
+        let ours = lock(&self.state).objects.get(&ip).copied();
+        match ours {
+            None => Ok(()),
+            Some(false) => {
+                debug!(%ip, "not releasing an IPAddress managed by another controller");
+                Ok(())
+            }
+            Some(true) => {
+                let name = ip.to_string();
+                // Delete only the object we manage: precondition on its current uid would
+                // need a GET; the managed-by check above comes from the watch.
+                match self.api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.code == 404 => {}
+                    Err(e) => return Err(api_error("deleting IPAddress", &name, e)),
+                }
+                lock(&self.state).forget(ip);
+                Ok(())
+            }
+        }
+    }
+
+    async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        self.check_ready()?;
+        Ok(lock(&self.state).objects.contains_key(&ip))
+    }
+
+    async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
+        self.check_ready()?;
+        let st = lock(&self.state);
+        Ok(st.objects.keys().filter(|ip| st.ranges.iter().any(|r| r.cidr.contains(**ip))).copied().collect())
+    }
+
+    async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
+        self.check_ready()?;
+        let st = lock(&self.state);
+        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free() }).collect())
+    }
+}
+
+/// Parse an IPAddress name; names that are not canonical addresses are ignored.
+fn address_of(obj: &IPAddress) -> Option<IpAddr> {
+    let name = obj.metadata.name.as_deref()?;
+    let ip = cidr::parse_ip(name).ok()?;
+    (ip.to_string() == name).then_some(ip)
+}
+
+fn managed_by(obj: &IPAddress, manager: &str) -> bool {
+    obj.metadata.labels.as_ref().and_then(|l| l.get(LABEL_MANAGED_BY)).map(String::as_str) == Some(manager)
+}
+
+async fn watch_ipaddresses(api: Api<IPAddress>, state: Arc<Mutex<State>>, manager: String, changed: watch::Sender<()>) {
+    let mut relist: Option<BTreeMap<IpAddr, bool>> = None;
+    let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Ok(Event::Init) => relist = Some(BTreeMap::new()),
+            Ok(Event::InitApply(obj)) => {
+                if let (Some(list), Some(ip)) = (relist.as_mut(), address_of(&obj)) {
+                    list.insert(ip, managed_by(&obj, &manager));
+                }
+            }
+            Ok(Event::InitDone) => {
+                let list = relist.take().unwrap_or_default();
+                let mut st = lock(&state);
+                let gone: Vec<IpAddr> = st.objects.keys().filter(|ip| !list.contains_key(ip)).copied().collect();
+                for ip in gone {
+                    st.forget(ip);
+                }
+                for (ip, ours) in list {
+                    st.observe(ip, ours);
+                }
+                st.synced_ipaddresses = true;
+                drop(st);
+                changed.send_replace(());
+            }
+            Ok(Event::Apply(obj)) => {
+                if let Some(ip) = address_of(&obj) {
+                    lock(&state).observe(ip, managed_by(&obj, &manager));
+                }
+            }
+            Ok(Event::Delete(obj)) => {
+                if let Some(ip) = address_of(&obj) {
+                    lock(&state).forget(ip);
+                }
+            }
+            Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
+        }
+    }
+}
+
+/// The cidrs of a ServiceCIDR and whether it gives new addresses.
+fn servicecidr_ranges(obj: &ServiceCIDR) -> Vec<(ServiceCidr, bool)> {
+    let deleting = obj.metadata.deletion_timestamp.is_some();
+    let ready = obj
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| c.status == "True")
+        .unwrap_or(true);
+    let cidrs = obj.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
+    let mut out = Vec::new();
+    for text in cidrs {
+        match ServiceCidr::parse(&text) {
+            Ok(c) => out.push((c, ready && !deleting)),
+            Err(e) => warn!(servicecidr = ?obj.metadata.name, cidr = %text, error = %e, "ignoring an unusable ServiceCIDR range"),
+        }
+    }
+    out
+}
+
+async fn watch_servicecidrs(api: Api<ServiceCIDR>, state: Arc<Mutex<State>>, flag_ranges: Vec<ServiceCidr>, changed: watch::Sender<()>) {
+    let mut relist: Option<BTreeMap<String, Vec<(ServiceCidr, bool)>>> = None;
+    let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+    while let Some(ev) = stream.next().await {
+        let mut st = match ev {
+            Ok(Event::Init) => {
+                relist = Some(BTreeMap::new());
+                continue;
+            }
+            Ok(Event::InitApply(obj)) => {
+                if let Some(list) = relist.as_mut() {
+                    list.insert(obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(&obj));
+                }
+                continue;
+            }
+            Ok(Event::InitDone) => {
+                let mut st = lock(&state);
+                st.from_servicecidrs = relist.take().unwrap_or_default();
+                st.synced_servicecidrs = true;
+                st
+            }
+            Ok(Event::Apply(obj)) => {
+                let mut st = lock(&state);
+                st.from_servicecidrs.insert(obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(&obj));
+                st
+            }
+            Ok(Event::Delete(obj)) => {
+                let mut st = lock(&state);
+                st.from_servicecidrs.remove(obj.metadata.name.as_deref().unwrap_or_default());
+                st
+            }
+            Err(e) => {
+                warn!(error = %e, "ServiceCIDR watch failed; retrying");
+                continue;
+            }
+        };
+        st.rebuild_ranges(&flag_ranges);
+        drop(st);
+        changed.send_replace(());
+    }
+}

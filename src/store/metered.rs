@@ -1,0 +1,83 @@
+//! An [`AllocationStore`] that records Kubernetes-style allocator metrics around another.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+
+use crate::cidr::{Family, ServiceCidr};
+use crate::metrics::Metrics;
+
+use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
+
+pub struct MeteredStore {
+    inner: Arc<dyn AllocationStore>,
+    metrics: Arc<Metrics>,
+}
+
+impl MeteredStore {
+    pub fn new(inner: Arc<dyn AllocationStore>, metrics: Arc<Metrics>) -> Self {
+        Self { inner, metrics }
+    }
+
+    /// Refresh the allocated/available gauges from the store.
+    pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
+        for u in self.inner.usage().await? {
+            self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free);
+        }
+        Ok(())
+    }
+
+    fn label_for(&self, ip: Option<IpAddr>, family: Option<Family>) -> String {
+        let ranges = self.inner.ranges();
+        let hit = match (ip, family) {
+            (Some(ip), _) => ranges.iter().find(|c| c.contains(ip)),
+            (None, Some(f)) => ranges.iter().find(|c| c.family() == f),
+            _ => None,
+        };
+        hit.map(|c| c.to_string()).unwrap_or_else(|| "none".into())
+    }
+}
+
+#[async_trait]
+impl AllocationStore for MeteredStore {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn ranges(&self) -> Vec<ServiceCidr> {
+        self.inner.ranges()
+    }
+
+    async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let r = self.inner.allocate(ip, parent).await;
+        self.metrics.allocation(&self.label_for(Some(ip), None), "static", r.is_ok(), started.elapsed());
+        r
+    }
+
+    async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
+        let started = Instant::now();
+        let r = self.inner.allocate_next(family, parent).await;
+        let label = self.label_for(r.as_ref().ok().copied(), Some(family));
+        self.metrics.allocation(&label, "dynamic", r.is_ok(), started.elapsed());
+        r
+    }
+
+    async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
+        self.inner.release(ip).await
+    }
+
+    async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        self.inner.has(ip).await
+    }
+
+    async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
+        self.inner.allocated().await
+    }
+
+    async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
+        self.inner.usage().await
+    }
+}

@@ -1,0 +1,131 @@
+//! Durable allocation records behind one interface, [`AllocationStore`].
+//!
+//! Two backends:
+//! - [`etcd::EtcdStore`]: one etcd key per service CIDR holding the roaring-bitmap snapshot;
+//!   every change is a transaction that compares the key's mod revision; concurrent callers
+//!   in one process are batched into one transaction (group commit).
+//! - [`ipaddress::IpAddressStore`]: one `networking.k8s.io/v1` IPAddress object per address;
+//!   creating the object named by the address is the lock.
+//!
+//! Both pick addresses with the same allocation map ([`crate::alloc`]), so the static/dynamic
+//! band rules are identical; they differ only in how a choice is made durable.
+
+pub mod etcd;
+pub mod ipaddress;
+pub mod legacy;
+pub mod metered;
+mod ranges;
+
+use std::net::IpAddr;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::alloc::AllocError;
+use crate::cidr::{Family, ServiceCidr};
+
+pub use ranges::RangeSet;
+
+/// The object an address is allocated to, as an IPAddress `spec.parentRef` names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParentRef {
+    /// API group; "" for the core group (Services).
+    pub group: String,
+    /// Resource, plural ("services").
+    pub resource: String,
+    /// Namespace, for namespaced parents.
+    pub namespace: Option<String>,
+    /// Name.
+    pub name: String,
+}
+
+impl ParentRef {
+    /// The parentRef of a core Service.
+    pub fn service(namespace: &str, name: &str) -> Self {
+        Self { group: String::new(), resource: "services".into(), namespace: Some(namespace.into()), name: name.into() }
+    }
+}
+
+impl std::fmt::Display for ParentRef {
+    /// `services/default/web`, `gateways.gateway.networking.k8s.io/ns/name`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.resource)?;
+        if !self.group.is_empty() {
+            write!(f, ".{}", self.group)?;
+        }
+        if let Some(ns) = &self.namespace {
+            write!(f, "/{ns}")?;
+        }
+        write!(f, "/{}", self.name)
+    }
+}
+
+/// Why a store could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The allocation rules said no (not in range, already allocated, full).
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// No configured range of the requested family.
+    #[error("no service CIDR of family {0} is configured")]
+    NoRangeForFamily(Family),
+    /// The record could not be read or written; nothing was acknowledged.
+    #[error("allocation store unavailable: {0}")]
+    Unavailable(String),
+    /// The store has not finished its first sync.
+    #[error("allocator not ready")]
+    NotReady,
+    /// Anything else from the backend, with its text.
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl StoreError {
+    /// True when the request may succeed if retried unchanged (the backend was unreachable).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::NotReady)
+    }
+}
+
+/// The durable record of allocations over a set of service CIDRs.
+///
+/// Every successful `allocate`/`allocate_next` is durable when it returns: a new process
+/// reading the same backend sees it. Every error means nothing was allocated *for this
+/// caller*; after an `Unavailable` error the address may still have been recorded (etcd may
+/// have applied a write whose answer was lost) — a leak the repair pass reclaims, never a
+/// duplicate.
+#[async_trait]
+pub trait AllocationStore: Send + Sync {
+    /// Backend name for logs and metrics ("etcd", "ipaddress").
+    fn backend(&self) -> &'static str;
+
+    /// The ranges addresses come from, in configuration order.
+    fn ranges(&self) -> Vec<ServiceCidr>;
+
+    /// Reserve a requested address (static allocation).
+    async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError>;
+
+    /// Reserve the next free address of `family` (dynamic allocation: the dynamic band of
+    /// each range first, the static band only when it is full).
+    async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError>;
+
+    /// Release an address; releasing a free or out-of-range address is a no-op.
+    async fn release(&self, ip: IpAddr) -> Result<(), StoreError>;
+
+    /// Whether the address is recorded as allocated.
+    async fn has(&self, ip: IpAddr) -> Result<bool, StoreError>;
+
+    /// Every allocated address inside the configured ranges, in address order.
+    async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError>;
+
+    /// Allocated and free addresses per range.
+    async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError>;
+}
+
+/// How full one range is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RangeUsage {
+    pub cidr: ServiceCidr,
+    pub used: u64,
+    pub free: u64,
+}

@@ -1,0 +1,76 @@
+//! The addresses the cluster already records as IPAddress objects — the kube-apiserver's
+//! own allocations included — kept by a watch. The webhook never hands out one of them:
+//! a stock kube-apiserver would refuse the Service ("provided IP is already allocated").
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::{Arc, RwLock};
+
+use futures::StreamExt;
+use k8s_openapi::api::networking::v1::IPAddress;
+use kube::api::Api;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use tokio::sync::watch;
+use tracing::warn;
+
+use crate::cidr;
+
+/// A watch-fed set of IPAddress names.
+#[derive(Clone, Default)]
+pub struct ApiserverIps {
+    set: Arc<RwLock<HashSet<IpAddr>>>,
+}
+
+impl ApiserverIps {
+    /// Start the watch; `synced` turns true after the first full list.
+    pub fn start(client: kube::Client) -> (Self, watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
+        let me = Self::default();
+        let (tx, rx) = watch::channel(false);
+        let set = me.set.clone();
+        let task = tokio::spawn(async move {
+            let api: Api<IPAddress> = Api::all(client);
+            let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+            let mut relist: Option<HashSet<IpAddr>> = None;
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    Ok(Event::Init) => relist = Some(HashSet::new()),
+                    Ok(Event::InitApply(o)) => {
+                        if let (Some(l), Some(ip)) = (relist.as_mut(), address(&o)) {
+                            l.insert(ip);
+                        }
+                    }
+                    Ok(Event::InitDone) => {
+                        *set.write().unwrap_or_else(|p| p.into_inner()) = relist.take().unwrap_or_default();
+                        tx.send_replace(true);
+                    }
+                    Ok(Event::Apply(o)) => {
+                        if let Some(ip) = address(&o) {
+                            set.write().unwrap_or_else(|p| p.into_inner()).insert(ip);
+                        }
+                    }
+                    Ok(Event::Delete(o)) => {
+                        if let Some(ip) = address(&o) {
+                            set.write().unwrap_or_else(|p| p.into_inner()).remove(&ip);
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
+                }
+            }
+        });
+        (me, rx, task)
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        self.set.read().unwrap_or_else(|p| p.into_inner()).contains(&ip)
+    }
+
+    /// Every recorded address, for seeding a backend.
+    pub fn snapshot(&self) -> Vec<IpAddr> {
+        self.set.read().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+    }
+}
+
+fn address(o: &IPAddress) -> Option<IpAddr> {
+    cidr::parse_ip(o.metadata.name.as_deref()?).ok()
+}

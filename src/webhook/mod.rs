@@ -1,0 +1,9 @@
+//! The admission path for Services: decide which ClusterIPs a Service needs
+//! ([`clusterips`]), reserve and patch them in or reject the request ([`admission`]), over
+//! HTTPS with a certificate that follows its files ([`tls`], [`server`]).
+
+pub mod admission;
+pub mod apiserver_ips;
+pub mod clusterips;
+pub mod server;
+pub mod tls;

@@ -1,11 +1,27 @@
 use clap::Parser;
+use clusterip_agent::cli::{run, Args};
 
-/// clusterip-agent: the node agent that programs Service VIPs into the kernel
-/// (nftables by default, iptables with --mode iptables) from Services and EndpointSlices.
-#[derive(Debug, Parser)]
-#[command(name = "clusterip-agent", version, about)]
-struct Args {}
-
-fn main() {
-    let _ = Args::parse();
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("clusterip-agent: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "clusterip-agent failed");
+            eprintln!("clusterip-agent: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,130 @@
+//! Prometheus metrics, named like kube-proxy's (`kubeproxy_sync_proxy_rules_…`) under the
+//! prefix `clusterip_agent_`.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    pub code: String,
+}
+
+/// All metrics of the agent.
+pub struct Metrics {
+    registry: Registry,
+    pub sync_duration: Histogram,
+    pub sync_full_duration: Histogram,
+    pub sync_partial_duration: Histogram,
+    pub network_programming_duration: Histogram,
+    pub last_sync_timestamp: Gauge<f64, AtomicU64>,
+    pub last_queued_timestamp: Gauge<f64, AtomicU64>,
+    pub sync_failures: Counter,
+    pub drift_detected: Counter,
+    pub conntrack_failures: Counter,
+    pub rules: Family<KindLabel, Gauge>,
+    pub service_ports: Gauge,
+    pub healthz: Family<CodeLabel, Counter>,
+    pub livez: Family<CodeLabel, Counter>,
+}
+
+fn programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((60..=115).step_by(5).map(f64::from));
+    b.extend((120..=300).step_by(30).map(f64::from));
+    b
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("clusterip_agent");
+        let sync_buckets = || exponential_buckets(0.001, 2.0, 15);
+        let m = Metrics {
+            sync_duration: Histogram::new(sync_buckets()),
+            sync_full_duration: Histogram::new(sync_buckets()),
+            sync_partial_duration: Histogram::new(sync_buckets()),
+            network_programming_duration: Histogram::new(programming_buckets()),
+            last_sync_timestamp: Gauge::default(),
+            last_queued_timestamp: Gauge::default(),
+            sync_failures: Counter::default(),
+            drift_detected: Counter::default(),
+            conntrack_failures: Counter::default(),
+            rules: Family::default(),
+            service_ports: Gauge::default(),
+            healthz: Family::default(),
+            livez: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("sync_proxy_rules_duration_seconds", "Duration of a sync (full or partial)", m.sync_duration.clone());
+        registry.register("sync_full_proxy_rules_duration_seconds", "Duration of a full sync", m.sync_full_duration.clone());
+        registry.register("sync_partial_proxy_rules_duration_seconds", "Duration of a partial sync", m.sync_partial_duration.clone());
+        registry.register(
+            "network_programming_duration_seconds",
+            "From an EndpointSlice's last-change-trigger-time to its rules being programmed",
+            m.network_programming_duration.clone(),
+        );
+        registry.register("sync_proxy_rules_last_timestamp_seconds", "Unix time of the last successful sync", m.last_sync_timestamp.clone());
+        registry.register(
+            "sync_proxy_rules_last_queued_timestamp_seconds",
+            "Unix time a change was last queued for sync",
+            m.last_queued_timestamp.clone(),
+        );
+        registry.register("sync_proxy_rules_failures", "Failed syncs", m.sync_failures.clone());
+        registry.register("sync_proxy_rules_drift_detected", "Full resyncs that found rules changed behind the agent's back", m.drift_detected.clone());
+        registry.register("conntrack_flush_failures", "Failed conntrack -D runs", m.conntrack_failures.clone());
+        registry.register("sync_proxy_rules_programmed", "Chains, rules and shared map/set elements programmed", m.rules.clone());
+        registry.register("service_ports", "Service ports known", m.service_ports.clone());
+        registry.register("proxy_healthz", "/healthz answers by HTTP code", m.healthz.clone());
+        registry.register("proxy_livez", "/livez answers by HTTP code", m.livez.clone());
+        Metrics { registry, ..m }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut s = String::new();
+        if prometheus_client::encoding::text::encode(&mut s, &self.registry).is_err() {
+            s.clear();
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_exposed_with_prefix() {
+        let m = Metrics::new();
+        m.sync_failures.inc();
+        m.sync_full_duration.observe(0.02);
+        m.rules.get_or_create(&KindLabel { kind: "chains".into() }).set(7);
+        let text = m.encode();
+        assert!(text.contains("clusterip_agent_sync_proxy_rules_failures_total 1"), "{text}");
+        assert!(text.contains("clusterip_agent_sync_full_proxy_rules_duration_seconds_count 1"), "{text}");
+        assert!(text.contains("clusterip_agent_sync_proxy_rules_programmed{kind=\"chains\"} 7"), "{text}");
+    }
+}

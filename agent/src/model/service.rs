@@ -1,0 +1,303 @@
+//! A core/v1 Service read into the ports a node proxies (kube-proxy's `ServicePort` info).
+
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Service;
+
+use super::{IpFamily, NamespacedName, Protocol, ServicePortName};
+
+/// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10800;
+
+/// Label that hands a Service to another proxy (kube-proxy ignores labelled Services).
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Label of headless Services' objects; such Services are never proxied.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+
+/// One port of a Service, with everything the dataplane needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    /// `spec.ports[].port`.
+    pub port: u16,
+    /// `spec.clusterIPs` (both families).
+    pub cluster_ips: Vec<IpAddr>,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` whose ipMode is VIP (or unset).
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.ports[].nodePort` for NodePort and LoadBalancer Services.
+    pub node_port: Option<u16>,
+    /// `spec.loadBalancerSourceRanges`.
+    pub load_balancer_source_ranges: Vec<IpNet>,
+    /// ClientIP session affinity timeout in seconds; None without affinity.
+    pub affinity_timeout: Option<u32>,
+    /// `internalTrafficPolicy: Local`.
+    pub internal_policy_local: bool,
+    /// `externalTrafficPolicy: Local` on an externally reachable Service.
+    pub external_policy_local: bool,
+    /// `spec.healthCheckNodePort` (eTP Local LoadBalancer Services).
+    pub health_check_node_port: Option<u16>,
+}
+
+impl ServicePort {
+    /// A plain ClusterIP port, for tests and benchmarks.
+    pub fn cluster_ip(ns: &str, name: &str, port_name: &str, protocol: Protocol, ip: IpAddr, port: u16) -> Self {
+        ServicePort {
+            name: ServicePortName { service: NamespacedName::new(ns, name), port_name: port_name.to_string(), protocol },
+            port,
+            cluster_ips: vec![ip],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            node_port: None,
+            load_balancer_source_ranges: vec![],
+            affinity_timeout: None,
+            internal_policy_local: false,
+            external_policy_local: false,
+            health_check_node_port: None,
+        }
+    }
+
+    /// Reachable from outside the cluster network: NodePort, externalIPs or LB IPs.
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
+    }
+
+    /// Some traffic to this port uses the cluster-wide endpoint list.
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        !self.internal_policy_local || (self.externally_accessible() && !self.external_policy_local)
+    }
+
+    /// Some traffic to this port uses only this node's endpoints.
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_policy_local || (self.externally_accessible() && self.external_policy_local)
+    }
+
+    /// Whether any address of this port is of `family`.
+    pub fn has_family(&self, family: IpFamily) -> bool {
+        self.cluster_ips.iter().chain(&self.external_ips).chain(&self.load_balancer_ips).any(|ip| IpFamily::of(ip) == family)
+            || (self.node_port.is_some() && self.cluster_ips.iter().any(|ip| IpFamily::of(ip) == family))
+    }
+}
+
+/// Why a Service is not proxied at all (not an error: such Services are simply skipped).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Skip {
+    ExternalName,
+    Headless,
+    OtherProxy,
+}
+
+/// Read a Service into its ports. `proxy_name` is this agent's
+/// `service.kubernetes.io/service-proxy-name` (None: only unlabelled Services).
+/// Unparseable addresses and ports are dropped with a warning, never a panic.
+pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Result<Vec<ServicePort>, Skip> {
+    let labels = svc.metadata.labels.as_ref();
+    let label_proxy = labels.and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)).map(String::as_str);
+    if label_proxy != proxy_name {
+        return Err(Skip::OtherProxy);
+    }
+    if labels.is_some_and(|l| l.contains_key(HEADLESS_LABEL)) {
+        return Err(Skip::Headless);
+    }
+    let Some(spec) = svc.spec.as_ref() else { return Ok(vec![]) };
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    if svc_type == "ExternalName" {
+        return Err(Skip::ExternalName);
+    }
+    let nsn = NamespacedName::new(
+        svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+        svc.metadata.name.clone().unwrap_or_default(),
+    );
+    let mut ips: Vec<&String> = spec.cluster_ips.iter().flatten().collect();
+    if ips.is_empty() {
+        ips.extend(spec.cluster_ip.as_ref());
+    }
+    if ips.is_empty() || ips.iter().any(|ip| ip.as_str() == "None") {
+        return Err(Skip::Headless);
+    }
+    let cluster_ips = parse_ips(&nsn, "spec.clusterIPs", ips.into_iter());
+    let external_ips = parse_ips(&nsn, "spec.externalIPs", spec.external_ips.iter().flatten());
+    let load_balancer_ips = if svc_type == "LoadBalancer" {
+        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|lb| lb.ingress.as_ref());
+        parse_ips(
+            &nsn,
+            "status.loadBalancer.ingress",
+            ingress
+                .into_iter()
+                .flatten()
+                .filter(|i| i.ip_mode.as_deref().unwrap_or("VIP") == "VIP")
+                .filter_map(|i| i.ip.as_ref()),
+        )
+    } else {
+        vec![]
+    };
+    let load_balancer_source_ranges = if svc_type == "LoadBalancer" {
+        spec.load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .filter_map(|r| match IpNet::from_str(r.trim()) {
+                Ok(n) => Some(n),
+                Err(_) => {
+                    tracing::warn!(service = %nsn, range = %r, "ignoring malformed loadBalancerSourceRange");
+                    None
+                }
+            })
+            .collect()
+    } else {
+        vec![]
+    };
+    let affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        let t = spec
+            .session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|t| *t > 0)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_SECONDS);
+        Some(t)
+    } else {
+        None
+    };
+    let has_node_ports = svc_type == "NodePort" || svc_type == "LoadBalancer";
+    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let external_local_requested = spec.external_traffic_policy.as_deref() == Some("Local");
+    let health_check_node_port = spec.health_check_node_port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p > 0);
+    let mut out = Vec::new();
+    for p in spec.ports.iter().flatten() {
+        let Some(protocol) = Protocol::from_k8s(p.protocol.as_deref()) else {
+            tracing::warn!(service = %nsn, protocol = ?p.protocol, "ignoring port with unknown protocol");
+            continue;
+        };
+        let Ok(port) = u16::try_from(p.port) else {
+            tracing::warn!(service = %nsn, port = p.port, "ignoring out-of-range port");
+            continue;
+        };
+        let node_port = if has_node_ports { p.node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0) } else { None };
+        let mut sp = ServicePort {
+            name: ServicePortName { service: nsn.clone(), port_name: p.name.clone().unwrap_or_default(), protocol },
+            port,
+            cluster_ips: cluster_ips.clone(),
+            external_ips: external_ips.clone(),
+            load_balancer_ips: load_balancer_ips.clone(),
+            node_port,
+            load_balancer_source_ranges: load_balancer_source_ranges.clone(),
+            affinity_timeout,
+            internal_policy_local,
+            external_policy_local: false,
+            health_check_node_port,
+        };
+        sp.external_policy_local = external_local_requested && sp.externally_accessible();
+        out.push(sp);
+    }
+    Ok(out)
+}
+
+fn parse_ips<'a>(nsn: &NamespacedName, field: &str, it: impl Iterator<Item = &'a String>) -> Vec<IpAddr> {
+    let mut out = Vec::new();
+    for s in it {
+        match IpAddr::from_str(s.trim()) {
+            Ok(ip) if !out.contains(&ip) => out.push(ip),
+            Ok(_) => {}
+            Err(_) => tracing::warn!(service = %nsn, field, value = %s, "ignoring malformed IP address"),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn svc(v: serde_json::Value) -> Service {
+        serde_json::from_value(v).expect("test service")
+    }
+
+    #[test]
+    fn cluster_ip_service_ports() {
+        let s = svc(json!({
+            "metadata": {"name": "web", "namespace": "ns1"},
+            "spec": {"clusterIP": "198.19.0.10", "clusterIPs": ["198.19.0.10", "fd00:10:96::a"],
+                     "ports": [{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]}
+        }));
+        let ports = service_ports(&s, None).expect("proxied");
+        assert_eq!(ports.len(), 2);
+        assert_eq!(ports[0].name.protocol, Protocol::Tcp);
+        assert_eq!(ports[0].port, 80);
+        assert_eq!(ports[0].cluster_ips.len(), 2);
+        assert_eq!(ports[1].name.protocol, Protocol::Udp);
+        assert_eq!(ports[1].node_port, None);
+        assert!(!ports[0].externally_accessible());
+        assert!(ports[0].uses_cluster_endpoints());
+        assert!(!ports[0].uses_local_endpoints());
+    }
+
+    #[test]
+    fn affinity_default_and_explicit_timeout() {
+        let s = svc(json!({"metadata": {"name": "a", "namespace": "n"},
+            "spec": {"clusterIP": "198.19.0.1", "sessionAffinity": "ClientIP", "ports": [{"port": 80}]}}));
+        assert_eq!(service_ports(&s, None).expect("ok")[0].affinity_timeout, Some(DEFAULT_AFFINITY_TIMEOUT_SECONDS));
+        let s = svc(json!({"metadata": {"name": "a", "namespace": "n"},
+            "spec": {"clusterIP": "198.19.0.1", "sessionAffinity": "ClientIP",
+                     "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 5}}, "ports": [{"port": 80}]}}));
+        assert_eq!(service_ports(&s, None).expect("ok")[0].affinity_timeout, Some(5));
+    }
+
+    #[test]
+    fn load_balancer_fields_and_local_policy() {
+        let s = svc(json!({"metadata": {"name": "lb", "namespace": "n"},
+            "spec": {"type": "LoadBalancer", "clusterIP": "198.19.0.2", "externalTrafficPolicy": "Local",
+                     "healthCheckNodePort": 32000,
+                     "loadBalancerSourceRanges": ["198.18.5.0/24", "bogus"],
+                     "externalIPs": ["198.18.9.9", "not-an-ip"],
+                     "ports": [{"port": 443, "nodePort": 30443}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.18.8.8"}, {"ip": "198.18.8.9", "ipMode": "Proxy"}]}}}));
+        let p = &service_ports(&s, None).expect("ok")[0];
+        assert_eq!(p.node_port, Some(30443));
+        assert_eq!(p.load_balancer_ips, vec!["198.18.8.8".parse::<IpAddr>().expect("ip")]);
+        assert_eq!(p.external_ips.len(), 1);
+        assert_eq!(p.load_balancer_source_ranges.len(), 1);
+        assert!(p.external_policy_local);
+        assert!(p.uses_local_endpoints() && p.uses_cluster_endpoints());
+        assert_eq!(p.health_check_node_port, Some(32000));
+    }
+
+    #[test]
+    fn external_policy_needs_external_access() {
+        let s = svc(json!({"metadata": {"name": "a", "namespace": "n"},
+            "spec": {"clusterIP": "198.19.0.1", "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                     "ports": [{"port": 80, "nodePort": 30080}]}}));
+        let p = &service_ports(&s, None).expect("ok")[0];
+        assert_eq!(p.node_port, None, "a ClusterIP service has no node port even if one is written");
+        assert!(!p.external_policy_local);
+        assert!(p.internal_policy_local);
+        assert!(!p.uses_cluster_endpoints());
+    }
+
+    #[test]
+    fn skipped_services() {
+        let headless = svc(json!({"metadata": {"name": "h", "namespace": "n"}, "spec": {"clusterIP": "None", "ports": [{"port": 80}]}}));
+        assert_eq!(service_ports(&headless, None), Err(Skip::Headless));
+        let ext = svc(json!({"metadata": {"name": "e", "namespace": "n"}, "spec": {"type": "ExternalName", "externalName": "x.example"}}));
+        assert_eq!(service_ports(&ext, None), Err(Skip::ExternalName));
+        let other = svc(json!({"metadata": {"name": "o", "namespace": "n", "labels": {SERVICE_PROXY_NAME_LABEL: "other"}},
+            "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80}]}}));
+        assert_eq!(service_ports(&other, None), Err(Skip::OtherProxy));
+        assert!(service_ports(&other, Some("other")).is_ok());
+        let plain = svc(json!({"metadata": {"name": "p", "namespace": "n"}, "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80}]}}));
+        assert_eq!(service_ports(&plain, Some("other")), Err(Skip::OtherProxy));
+    }
+
+    #[test]
+    fn unknown_protocol_and_bad_port_are_dropped() {
+        let s = svc(json!({"metadata": {"name": "a", "namespace": "n"},
+            "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80, "protocol": "QUIC"}, {"port": 70000}, {"port": 81}]}}));
+        let ports = service_ports(&s, None).expect("ok");
+        assert_eq!(ports.len(), 1);
+        assert_eq!(ports[0].port, 81);
+    }
+}

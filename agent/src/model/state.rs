@@ -1,0 +1,341 @@
+//! The agent's picture of the cluster: the Services and EndpointSlices seen so far, and
+//! which Services changed since the last sync (kube-proxy's change trackers, folded).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::SystemTime;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::endpointslice::SliceInfo;
+use super::service::{service_ports, ServicePort};
+use super::topology::{categorize_endpoints, Categorized};
+use super::{Endpoint, IpFamily, NamespacedName};
+
+/// Who this node is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: String,
+    /// `topology.kubernetes.io/zone` of the Node.
+    pub zone: Option<String>,
+}
+
+/// A Service port with its endpoints categorised for this node, per IP family.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredPort {
+    pub port: ServicePort,
+    pub v4: Categorized,
+    pub v6: Categorized,
+}
+
+impl DesiredPort {
+    pub fn endpoints(&self, family: IpFamily) -> &Categorized {
+        match family {
+            IpFamily::V4 => &self.v4,
+            IpFamily::V6 => &self.v6,
+        }
+    }
+}
+
+/// What changed since the last sync.
+#[derive(Debug, Default)]
+pub struct Changes {
+    pub services: HashSet<NamespacedName>,
+    /// Re-render everything (node labels changed, first sync, after a failure).
+    pub full: bool,
+    /// `last-change-trigger-time` of the slices changed, for network programming latency.
+    pub trigger_times: Vec<SystemTime>,
+}
+
+/// Services and EndpointSlices as last seen, with pending changes.
+#[derive(Debug)]
+pub struct ProxyState {
+    node: NodeInfo,
+    proxy_name: Option<String>,
+    services: HashMap<NamespacedName, Vec<ServicePort>>,
+    /// Slices per Service, by slice name.
+    slices: HashMap<NamespacedName, BTreeMap<String, SliceInfo>>,
+    /// Which Service each slice (namespace, slice name) was filed under.
+    slice_owner: HashMap<NamespacedName, NamespacedName>,
+    changes: Changes,
+    started: SystemTime,
+}
+
+impl ProxyState {
+    pub fn new(node: NodeInfo, proxy_name: Option<String>) -> Self {
+        ProxyState {
+            node,
+            proxy_name,
+            services: HashMap::new(),
+            slices: HashMap::new(),
+            slice_owner: HashMap::new(),
+            changes: Changes { full: true, ..Default::default() },
+            started: SystemTime::now(),
+        }
+    }
+
+    pub fn node(&self) -> &NodeInfo {
+        &self.node
+    }
+
+    /// Whether a sync has something to do.
+    pub fn has_changes(&self) -> bool {
+        self.changes.full || !self.changes.services.is_empty()
+    }
+
+    /// Number of Service ports known (for metrics).
+    pub fn service_port_count(&self) -> usize {
+        self.services.values().map(Vec::len).sum()
+    }
+
+    /// Update the node's zone; a change re-renders everything. Returns whether it changed.
+    pub fn set_node_zone(&mut self, zone: Option<String>) -> bool {
+        if self.node.zone != zone {
+            self.node.zone = zone;
+            self.changes.full = true;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Add or update a Service. Returns whether anything changed.
+    pub fn apply_service(&mut self, svc: &Service) -> bool {
+        let nsn = NamespacedName::new(
+            svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            svc.metadata.name.clone().unwrap_or_default(),
+        );
+        match service_ports(svc, self.proxy_name.as_deref()) {
+            Ok(ports) if !ports.is_empty() => {
+                if self.services.get(&nsn) == Some(&ports) {
+                    return false;
+                }
+                self.services.insert(nsn.clone(), ports);
+                self.changes.services.insert(nsn);
+                true
+            }
+            _ => self.delete_service(&nsn),
+        }
+    }
+
+    /// Forget a Service. Returns whether it was known.
+    pub fn delete_service(&mut self, nsn: &NamespacedName) -> bool {
+        if self.services.remove(nsn).is_some() {
+            self.changes.services.insert(nsn.clone());
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Replace all Services with `list` (after a re-list).
+    pub fn replace_services(&mut self, list: &[Service]) {
+        let mut seen = HashSet::new();
+        for svc in list {
+            self.apply_service(svc);
+            seen.insert(NamespacedName::new(
+                svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+                svc.metadata.name.clone().unwrap_or_default(),
+            ));
+        }
+        let gone: Vec<NamespacedName> = self.services.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+        for nsn in gone {
+            self.delete_service(&nsn);
+        }
+    }
+
+    /// Add or update an EndpointSlice. Returns whether anything changed.
+    pub fn apply_slice(&mut self, slice: &EndpointSlice) -> bool {
+        let key = NamespacedName::new(
+            slice.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            slice.metadata.name.clone().unwrap_or_default(),
+        );
+        let info = match SliceInfo::from_slice(slice) {
+            Ok(info) => info,
+            Err(_) => return self.delete_slice(&key),
+        };
+        let mut changed = false;
+        if let Some(old_owner) = self.slice_owner.get(&key).cloned() {
+            if old_owner != info.service {
+                changed |= self.delete_slice(&key);
+            }
+        }
+        let per_service = self.slices.entry(info.service.clone()).or_default();
+        if per_service.get(&key.name) == Some(&info) {
+            return changed;
+        }
+        if let Some(t) = info.trigger_time.as_deref().and_then(|t| humantime::parse_rfc3339_weak(t).ok()) {
+            if t >= self.started {
+                self.changes.trigger_times.push(t);
+            }
+        }
+        self.changes.services.insert(info.service.clone());
+        self.slice_owner.insert(key.clone(), info.service.clone());
+        per_service.insert(key.name, info);
+        true
+    }
+
+    /// Forget an EndpointSlice by (namespace, name). Returns whether it was known.
+    pub fn delete_slice(&mut self, key: &NamespacedName) -> bool {
+        let Some(owner) = self.slice_owner.remove(key) else { return false };
+        if let Some(per_service) = self.slices.get_mut(&owner) {
+            per_service.remove(&key.name);
+            if per_service.is_empty() {
+                self.slices.remove(&owner);
+            }
+        }
+        self.changes.services.insert(owner);
+        true
+    }
+
+    /// Replace all EndpointSlices with `list` (after a re-list).
+    pub fn replace_slices(&mut self, list: &[EndpointSlice]) {
+        let mut seen = HashSet::new();
+        for s in list {
+            self.apply_slice(s);
+            seen.insert(NamespacedName::new(
+                s.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+                s.metadata.name.clone().unwrap_or_default(),
+            ));
+        }
+        let gone: Vec<NamespacedName> = self.slice_owner.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+        for key in gone {
+            self.delete_slice(&key);
+        }
+    }
+
+    /// Take the pending changes (the next sync works on them).
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Ask for a full re-render at the next sync (after a failure, or periodically).
+    pub fn request_full(&mut self) {
+        self.changes.full = true;
+    }
+
+    /// Put back changes a failed sync could not apply.
+    pub fn restore_changes(&mut self, mut changes: Changes) {
+        self.changes.services.extend(changes.services.drain());
+        self.changes.full |= changes.full;
+        self.changes.trigger_times.append(&mut changes.trigger_times);
+    }
+
+    /// All Services currently known.
+    pub fn service_names(&self) -> Vec<NamespacedName> {
+        self.services.keys().cloned().collect()
+    }
+
+    /// The desired ports of a Service, with endpoints categorised for this node.
+    /// Empty when the Service is gone (or not proxied).
+    pub fn desired(&self, nsn: &NamespacedName) -> Vec<DesiredPort> {
+        let Some(ports) = self.services.get(nsn) else { return vec![] };
+        let slices = self.slices.get(nsn);
+        ports
+            .iter()
+            .map(|sp| {
+                let mut v4 = Vec::new();
+                let mut v6 = Vec::new();
+                for info in slices.into_iter().flat_map(|m| m.values()) {
+                    let target = if info.family == IpFamily::V4 { &mut v4 } else { &mut v6 };
+                    for ep in info.endpoints_for(&sp.name.port_name, sp.name.protocol, &self.node.name) {
+                        push_dedup(target, ep);
+                    }
+                }
+                let zone = self.node.zone.as_deref();
+                DesiredPort {
+                    v4: categorize_endpoints(&v4, sp, &self.node.name, zone),
+                    v6: categorize_endpoints(&v6, sp, &self.node.name, zone),
+                    port: sp.clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Endpoints are unique by ip:port; a local copy wins (kube-proxy does the same).
+fn push_dedup(list: &mut Vec<Endpoint>, ep: Endpoint) {
+    if let Some(existing) = list.iter_mut().find(|e| e.ip == ep.ip && e.port == ep.port) {
+        if ep.is_local && !existing.is_local {
+            *existing = ep;
+        }
+    } else {
+        list.push(ep);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn state() -> ProxyState {
+        ProxyState::new(NodeInfo { name: "n1".into(), zone: None }, None)
+    }
+
+    fn svc() -> Service {
+        serde_json::from_value(json!({"metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"clusterIPs": ["198.19.0.10", "fd00:10:96::a"], "ports": [{"name": "http", "port": 80}]}}))
+        .expect("svc")
+    }
+
+    fn slice(name: &str, family: &str, addrs: &[&str]) -> EndpointSlice {
+        let eps: Vec<_> = addrs.iter().map(|a| json!({"addresses": [a], "nodeName": "n2"})).collect();
+        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": family, "ports": [{"name": "http", "port": 8080}], "endpoints": eps}))
+        .expect("slice")
+    }
+
+    #[test]
+    fn changes_are_tracked_and_taken() {
+        let mut st = state();
+        assert!(st.take_changes().full, "first sync is full");
+        assert!(st.apply_service(&svc()));
+        assert!(!st.apply_service(&svc()), "same service twice is no change");
+        assert!(st.apply_slice(&slice("a", "IPv4", &["198.18.2.1", "198.18.2.2"])));
+        assert!(st.apply_slice(&slice("b", "IPv6", &["fd00:2::1"])));
+        let ch = st.take_changes();
+        assert!(!ch.full);
+        assert_eq!(ch.services.len(), 1);
+        assert!(!st.has_changes());
+        let d = st.desired(&NamespacedName::new("ns", "web"));
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].v4.cluster.len(), 2);
+        assert_eq!(d[0].v6.cluster.len(), 1);
+        assert_eq!(d[0].v4.cluster[0].port, 8080);
+    }
+
+    #[test]
+    fn endpoints_from_several_slices_are_deduplicated() {
+        let mut st = state();
+        st.apply_service(&svc());
+        st.apply_slice(&slice("a", "IPv4", &["198.18.2.1"]));
+        st.apply_slice(&slice("b", "IPv4", &["198.18.2.1", "198.18.2.3"]));
+        let d = st.desired(&NamespacedName::new("ns", "web"));
+        assert_eq!(d[0].v4.cluster.len(), 2);
+    }
+
+    #[test]
+    fn relist_removes_missing_objects() {
+        let mut st = state();
+        st.apply_service(&svc());
+        st.apply_slice(&slice("a", "IPv4", &["198.18.2.1"]));
+        st.take_changes();
+        st.replace_slices(&[]);
+        let ch = st.take_changes();
+        assert_eq!(ch.services.len(), 1);
+        assert!(st.desired(&NamespacedName::new("ns", "web"))[0].v4.cluster.is_empty());
+        st.replace_services(&[]);
+        assert!(st.desired(&NamespacedName::new("ns", "web")).is_empty());
+        assert!(st.has_changes());
+    }
+
+    #[test]
+    fn zone_change_forces_full_sync() {
+        let mut st = state();
+        st.take_changes();
+        assert!(!st.set_node_zone(None));
+        assert!(st.set_node_zone(Some("za".into())));
+        assert!(st.take_changes().full);
+    }
+}

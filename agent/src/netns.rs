@@ -1,0 +1,92 @@
+//! Running the dataplane tools (`nft`, `conntrack`, `iptables-restore`) in a network
+//! namespace. With `--netns` the agent itself stays in its own namespace (where it can
+//! reach the API server) and only its child processes enter the node namespace.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+/// Errors running a dataplane tool.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("cannot open network namespace {path}: {source}")]
+    OpenNetns { path: PathBuf, source: std::io::Error },
+    #[error("cannot run {program}: {source}")]
+    Spawn { program: String, source: std::io::Error },
+    #[error("{program} failed ({status}): {stderr}")]
+    Failed { program: String, status: String, stderr: String },
+}
+
+/// Where to run the tools: this process's namespace, or a named one.
+#[derive(Debug, Clone, Default)]
+pub struct Executor {
+    netns: Option<Arc<File>>,
+}
+
+impl Executor {
+    /// Run in the agent's own network namespace.
+    pub fn host() -> Self {
+        Executor { netns: None }
+    }
+
+    /// Run in a namespace given by name (`/run/netns/<name>`) or path.
+    pub fn in_netns(name_or_path: &str) -> Result<Self, ExecError> {
+        let path = if name_or_path.contains('/') {
+            PathBuf::from(name_or_path)
+        } else {
+            Path::new("/run/netns").join(name_or_path)
+        };
+        let file = File::open(&path).map_err(|source| ExecError::OpenNetns { path, source })?;
+        Ok(Executor { netns: Some(Arc::new(file)) })
+    }
+
+    /// A command that will run in the chosen namespace.
+    pub fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        if let Some(f) = &self.netns {
+            let fd = f.as_raw_fd();
+            // SAFETY: setns(2) is async-signal-safe; it runs in the forked child only and
+            // touches no memory of the parent.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        cmd
+    }
+
+    /// Run `program args` with `input` on stdin; error with its stderr when it fails.
+    pub fn run(&self, program: &str, args: &[&str], input: Option<&[u8]>) -> Result<String, ExecError> {
+        let mut cmd = self.command(program);
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() });
+        let spawn_err = |source| ExecError::Spawn { program: program.to_string(), source };
+        let mut child = cmd.spawn().map_err(spawn_err)?;
+        if let (Some(data), Some(mut stdin)) = (input, child.stdin.take()) {
+            // A write error shows up as the tool's failure below.
+            let _ = stdin.write_all(data);
+        }
+        let out = child.wait_with_output().map_err(spawn_err)?;
+        if !out.status.success() {
+            let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            if stderr.len() > 4000 {
+                let mut cut = 4000;
+                while !stderr.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                stderr.truncate(cut);
+                stderr.push_str("…");
+            }
+            return Err(ExecError::Failed { program: program.to_string(), status: out.status.to_string(), stderr });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}

@@ -1,0 +1,361 @@
+//! The in-memory mirror of one family's table: what each Service port owns, who owns each
+//! shared map/set element, chains waiting for deletion. Diffs against it produce the
+//! operations of a sync; the table is never listed for that.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use super::render::{render_port, skeleton_rules, Fragment, RenderOptions, BASE_CHAINS, SHARED_SETS, SKELETON_CHAINS};
+use super::slots::{SlotAllocator, SlotsExhausted};
+use super::transaction::Transaction;
+use crate::model::state::DesiredPort;
+use crate::model::{IpFamily, NamespacedName, ServicePortName};
+
+#[derive(Debug)]
+struct Entry {
+    id: u32,
+    frag: Fragment,
+}
+
+/// Owners of one shared element, first one wins (two Services claiming the same
+/// VIP:port is a user error; the first keeps it, the next takes over when it goes).
+type Owners = Vec<(u32, Option<String>)>;
+
+/// Mirror of `<family> clusterip`.
+#[derive(Debug)]
+pub struct FamilyMirror {
+    pub family: IpFamily,
+    fragments: HashMap<ServicePortName, Entry>,
+    by_service: HashMap<NamespacedName, Vec<ServicePortName>>,
+    next_id: u32,
+    elements: HashMap<(&'static str, String), Owners>,
+    stale_chains: BTreeSet<String>,
+    slots: SlotAllocator,
+}
+
+impl FamilyMirror {
+    pub fn new(family: IpFamily) -> Self {
+        FamilyMirror {
+            family,
+            fragments: HashMap::new(),
+            by_service: HashMap::new(),
+            next_id: 0,
+            elements: HashMap::new(),
+            stale_chains: BTreeSet::new(),
+            slots: SlotAllocator::default(),
+        }
+    }
+
+    /// Forget everything (the table is being re-created).
+    pub fn reset(&mut self) {
+        *self = FamilyMirror::new(self.family);
+    }
+
+    /// Delete the chains emptied by earlier syncs.
+    pub fn take_stale_chains(&mut self, tx: &mut Transaction) {
+        for c in std::mem::take(&mut self.stale_chains) {
+            tx.delete_chain(self.family, &c);
+        }
+    }
+
+    /// Services programmed that are not in `keep`.
+    pub fn services_not_in(&self, keep: &HashSet<&NamespacedName>) -> Vec<NamespacedName> {
+        self.by_service.keys().filter(|k| !keep.contains(k)).cloned().collect()
+    }
+
+    /// (chains, rules, shared elements) the agent owns in this table.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let skel_rules = skeleton_rules(self.family).len();
+        let mut chains = BASE_CHAINS.len() + SKELETON_CHAINS.len() + self.stale_chains.len();
+        let mut rules = skel_rules;
+        for e in self.fragments.values() {
+            chains += e.frag.chains.len();
+            rules += e.frag.chains.values().map(Vec::len).sum::<usize>();
+        }
+        (chains, rules, self.elements.len())
+    }
+
+    /// Bring one Service's ports to `ports` (empty: the Service is gone).
+    pub fn sync_service(
+        &mut self,
+        nsn: &NamespacedName,
+        ports: &[DesiredPort],
+        opts: &RenderOptions,
+        tx: &mut Transaction,
+    ) -> Result<(), SlotsExhausted> {
+        let old_names = self.by_service.remove(nsn).unwrap_or_default();
+        let mut new_names = Vec::new();
+        for d in ports {
+            let prev = self.fragments.get(&d.port.name).map(|e| &e.frag);
+            let frag = render_port(d, self.family, opts, prev, &mut self.slots)?;
+            if frag.is_empty() {
+                continue;
+            }
+            self.replace(&d.port.name, frag, tx);
+            new_names.push(d.port.name.clone());
+        }
+        for name in old_names.iter().filter(|n| !new_names.contains(n)) {
+            self.replace(name, Fragment::default(), tx);
+        }
+        if !new_names.is_empty() {
+            self.by_service.insert(nsn.clone(), new_names);
+        }
+        Ok(())
+    }
+
+    fn effective(&self, key: &(&'static str, String)) -> Option<Option<String>> {
+        self.elements.get(key).and_then(|o| o.first()).map(|(_, v)| v.clone())
+    }
+
+    fn replace(&mut self, name: &ServicePortName, new: Fragment, tx: &mut Transaction) {
+        let fam = self.family;
+        let (id, old) = match self.fragments.remove(name) {
+            Some(e) => (e.id, e.frag),
+            None => {
+                self.next_id = self.next_id.wrapping_add(1);
+                (self.next_id, Fragment::default())
+            }
+        };
+        if old == new {
+            if !new.is_empty() {
+                self.fragments.insert(name.clone(), Entry { id, frag: new });
+            }
+            return;
+        }
+        for (set, body) in &new.sets {
+            if old.sets.get(set) != Some(body) {
+                tx.add_set(fam, set, body);
+            }
+        }
+        for (chain, rules) in &new.chains {
+            match old.chains.get(chain) {
+                None => {
+                    self.stale_chains.remove(chain);
+                    tx.add_chain(fam, chain);
+                }
+                Some(r) if r != rules => tx.flush_chain(fam, chain),
+                Some(_) => continue,
+            }
+            for r in rules {
+                tx.add_rule(fam, chain, r);
+            }
+        }
+        for chain in old.chains.keys().filter(|c| !new.chains.contains_key(*c)) {
+            // Deleted at the next sync: before kernel 6.2 a chain still referenced by a
+            // map element deleted in the same transaction cannot be deleted.
+            tx.flush_chain(fam, chain);
+            self.stale_chains.insert(chain.clone());
+        }
+        // Shared elements, through their owners.
+        let touched: BTreeSet<(&'static str, String)> =
+            old.elements.iter().chain(&new.elements).map(|e| (e.set, e.key.clone())).collect();
+        let before: Vec<Option<Option<String>>> = touched.iter().map(|k| self.effective(k)).collect();
+        for e in &old.elements {
+            let k = (e.set, e.key.clone());
+            if let Some(owners) = self.elements.get_mut(&k) {
+                owners.retain(|(o, _)| *o != id);
+                if owners.is_empty() {
+                    self.elements.remove(&k);
+                }
+            }
+        }
+        for e in &new.elements {
+            self.elements.entry((e.set, e.key.clone())).or_default().push((id, e.value.clone()));
+        }
+        for (k, b) in touched.iter().zip(before) {
+            let after = self.effective(k);
+            if after == b {
+                continue;
+            }
+            if b.is_some() {
+                tx.delete_element(fam, k.0, &k.1);
+            }
+            if let Some(v) = after {
+                tx.add_element(fam, k.0, &k.1, v.as_deref());
+            }
+        }
+        for set in old.sets.keys().filter(|s| !new.sets.contains_key(*s)) {
+            tx.delete_set(fam, set);
+        }
+        for (chain, r) in &old.slots {
+            if new.slots.get(chain) != Some(r) {
+                self.slots.release(*r);
+            }
+        }
+        if !new.is_empty() {
+            self.fragments.insert(name.clone(), Entry { id, frag: new });
+        }
+    }
+
+    /// Compare `nft -j list table` output with the mirror; the differences, if any.
+    pub fn compare_listing(&self, json: &str) -> Result<Vec<String>, String> {
+        let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("nft -j output: {e}"))?;
+        let items = v.get("nftables").and_then(|x| x.as_array()).ok_or("nft -j output without \"nftables\"")?;
+        let mut chains: HashMap<String, usize> = HashMap::new();
+        let mut sets: HashMap<String, usize> = HashMap::new();
+        for item in items {
+            if let Some(c) = item.get("chain") {
+                if let Some(n) = c.get("name").and_then(|n| n.as_str()) {
+                    chains.entry(n.to_string()).or_insert(0);
+                }
+            } else if let Some(r) = item.get("rule") {
+                if let Some(n) = r.get("chain").and_then(|n| n.as_str()) {
+                    *chains.entry(n.to_string()).or_insert(0) += 1;
+                }
+            } else if let Some(s) = item.get("map").or_else(|| item.get("set")) {
+                if let Some(n) = s.get("name").and_then(|n| n.as_str()) {
+                    let count = s.get("elem").and_then(|e| e.as_array()).map_or(0, Vec::len);
+                    sets.insert(n.to_string(), count);
+                }
+            }
+        }
+        let mut want: HashMap<&str, usize> = HashMap::new();
+        for c in BASE_CHAINS.iter().chain(SKELETON_CHAINS.iter()) {
+            want.insert(c, 0);
+        }
+        for (c, _) in skeleton_rules(self.family) {
+            *want.entry(c).or_insert(0) += 1;
+        }
+        for c in &self.stale_chains {
+            want.insert(c, 0);
+        }
+        for e in self.fragments.values() {
+            for (c, rules) in &e.frag.chains {
+                want.insert(c, rules.len());
+            }
+        }
+        let mut diffs = Vec::new();
+        for (c, n) in &want {
+            match chains.get(*c) {
+                None => diffs.push(format!("chain {c} missing")),
+                Some(have) if have != n => diffs.push(format!("chain {c} has {have} rules, expected {n}")),
+                _ => {}
+            }
+        }
+        for c in chains.keys().filter(|c| !want.contains_key(c.as_str())) {
+            diffs.push(format!("unexpected chain {c}"));
+        }
+        let mut want_elems: HashMap<&str, usize> = SHARED_SETS.iter().map(|s| (*s, 0)).collect();
+        for (set, _) in self.elements.keys() {
+            *want_elems.entry(set).or_insert(0) += 1;
+        }
+        for (s, n) in &want_elems {
+            match sets.get(*s) {
+                None => diffs.push(format!("map/set {s} missing")),
+                Some(have) if have != n => diffs.push(format!("map/set {s} has {have} elements, expected {n}")),
+                _ => {}
+            }
+        }
+        for e in self.fragments.values() {
+            for s in e.frag.sets.keys() {
+                if !sets.contains_key(s) {
+                    diffs.push(format!("affinity set {s} missing"));
+                }
+            }
+        }
+        diffs.sort();
+        Ok(diffs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::service::ServicePort;
+    use crate::model::topology::Categorized;
+    use crate::model::{Endpoint, Protocol};
+    use std::net::IpAddr;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn desired(name: &str, vip: &str, eps: &[&str]) -> DesiredPort {
+        let sp = ServicePort::cluster_ip("ns", name, "", Protocol::Tcp, ip(vip), 80);
+        let cluster: Vec<Endpoint> = eps.iter().map(|e| Endpoint::ready(ip(e), 8080)).collect();
+        let has_any = !cluster.is_empty();
+        DesiredPort { port: sp, v4: Categorized { cluster, local: vec![], has_any }, v6: Categorized::default() }
+    }
+
+    fn sync(m: &mut FamilyMirror, name: &str, ports: &[DesiredPort]) -> String {
+        let mut tx = Transaction::new();
+        m.sync_service(&NamespacedName::new("ns", name), ports, &RenderOptions::default(), &mut tx).expect("sync");
+        tx.text()
+    }
+
+    #[test]
+    fn unchanged_service_sends_nothing() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        let d = desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.2"]);
+        let first = sync(&mut m, "a", std::slice::from_ref(&d));
+        assert!(first.contains("add chain ip clusterip svc-ns/a/tcp/80"));
+        assert_eq!(sync(&mut m, "a", &[d]), "");
+    }
+
+    #[test]
+    fn endpoint_removal_is_a_delta() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.2", "198.18.2.3"])]);
+        let t = sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.3"])]);
+        assert!(t.contains("flush chain ip clusterip svc-ns/a/tcp/80"));
+        assert!(t.contains("add rule ip clusterip svc-ns/a/tcp/80 meta l4proto tcp dnat to numgen random mod 2 offset 0 map @endpoint-dnat"));
+        // Slot 1 now points at .3, slot 2 is gone, the hairpin of .2 is gone.
+        assert!(t.contains("delete element ip clusterip endpoint-dnat { 1, 2 }"), "{t}");
+        assert!(t.contains("add element ip clusterip endpoint-dnat { 1 : 198.18.2.3 . 8080 }"), "{t}");
+        assert!(t.contains("delete element ip clusterip hairpin { 198.18.2.2 . 198.18.2.2 }"), "{t}");
+        assert!(!t.contains("service-ips"), "the VIP element is unchanged: {t}");
+    }
+
+    #[test]
+    fn deleted_service_flushes_then_deletes_chain_next_time() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1"])]);
+        let t = sync(&mut m, "a", &[]);
+        assert!(t.contains("flush chain ip clusterip svc-ns/a/tcp/80"));
+        assert!(t.contains("delete element ip clusterip service-ips { 198.19.0.1 . tcp . 80 }"));
+        assert!(!t.contains("delete chain"));
+        let mut tx = Transaction::new();
+        m.take_stale_chains(&mut tx);
+        assert!(tx.text().contains("delete chain ip clusterip svc-ns/a/tcp/80"));
+        assert_eq!(m.counts().2, 0, "no elements left");
+    }
+
+    #[test]
+    fn shared_hairpin_elements_are_refcounted() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1"])]);
+        let t = sync(&mut m, "b", &[desired("b", "198.19.0.2", &["198.18.2.1"])]);
+        assert!(!t.contains("hairpin"), "already present: {t}");
+        let t = sync(&mut m, "a", &[]);
+        assert!(!t.contains("hairpin"), "still used by b: {t}");
+        let t = sync(&mut m, "b", &[]);
+        assert!(t.contains("delete element ip clusterip hairpin { 198.18.2.1 . 198.18.2.1 }"));
+    }
+
+    #[test]
+    fn conflicting_vip_goes_to_first_owner_then_next() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1"])]);
+        let t = sync(&mut m, "b", &[desired("b", "198.19.0.1", &["198.18.2.2"])]);
+        assert!(!t.contains("service-ips"), "a keeps the VIP: {t}");
+        let t = sync(&mut m, "a", &[]);
+        assert!(t.contains("delete element ip clusterip service-ips { 198.19.0.1 . tcp . 80 }"));
+        assert!(t.contains("add element ip clusterip service-ips { 198.19.0.1 . tcp . 80 : goto svc-ns/b/tcp/80 }"), "{t}");
+    }
+
+    #[test]
+    fn listing_comparison_detects_drift() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1"])]);
+        let listing = serde_json::json!({"nftables": [
+            {"chain": {"name": "svc-ns/a/tcp/80"}},
+            {"rule": {"chain": "svc-ns/a/tcp/80"}},
+            {"chain": {"name": "extra"}},
+            {"map": {"name": "service-ips", "elem": []}}
+        ]});
+        let diffs = m.compare_listing(&listing.to_string()).expect("compare");
+        assert!(diffs.iter().any(|d| d == "unexpected chain extra"), "{diffs:?}");
+        assert!(diffs.iter().any(|d| d == "map/set service-ips has 0 elements, expected 1"), "{diffs:?}");
+        assert!(diffs.iter().any(|d| d == "chain services missing"), "{diffs:?}");
+        assert!(!diffs.iter().any(|d| d.contains("svc-ns/a")), "{diffs:?}");
+    }
+}

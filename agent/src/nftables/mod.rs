@@ -1,0 +1,163 @@
+//! The nftables dataplane (default mode).
+//!
+//! One table per family, `ip clusterip` and `ip6 clusterip` (as kube-proxy: the map key
+//! types differ per family, and each family can be rebuilt on its own). Every sync is one
+//! `nft -f -` transaction covering both tables, made of deltas against an in-memory
+//! [`mirror`] of what was programmed; the table is only listed on full resyncs, to detect
+//! changes made behind the agent's back. A sync larger than `max_ops` operations (a cold
+//! start with 50k Services, say) is split into bounded transactions at Service-port
+//! boundaries.
+
+pub mod mirror;
+pub mod render;
+pub mod slots;
+pub mod transaction;
+
+use std::collections::HashMap;
+
+use crate::model::IpFamily;
+use crate::netns::{ExecError, Executor};
+use crate::proxier::{DataplaneError, Proxier, SyncBatch, SyncReport};
+use mirror::FamilyMirror;
+use render::{RenderOptions, TABLE};
+use transaction::Transaction;
+
+/// Default bound on the operations of one transaction.
+pub const DEFAULT_MAX_OPS: usize = 50_000;
+
+/// The nftables dataplane.
+pub struct NftablesProxier {
+    exec: Executor,
+    opts: RenderOptions,
+    max_ops: usize,
+    mirrors: [FamilyMirror; 2],
+    /// Start over from an empty table at the next sync (start, failure, drift).
+    rebuild: bool,
+}
+
+impl NftablesProxier {
+    pub fn new(exec: Executor, opts: RenderOptions, max_ops: usize) -> Self {
+        NftablesProxier {
+            exec,
+            opts,
+            max_ops: max_ops.max(1),
+            mirrors: [FamilyMirror::new(IpFamily::V4), FamilyMirror::new(IpFamily::V6)],
+            rebuild: true,
+        }
+    }
+
+    fn apply(&self, tx: &Transaction) -> Result<(), ExecError> {
+        let text = tx.text();
+        tracing::trace!(bytes = text.len(), ops = tx.ops(), "nft transaction");
+        self.exec.run("nft", &["-f", "-"], Some(text.as_bytes())).map(|_| ())
+    }
+
+    fn report(&self, transactions: usize, operations: usize) -> SyncReport {
+        let mut r = SyncReport { transactions, operations, ..Default::default() };
+        for m in &self.mirrors {
+            let (chains, rules, elements) = m.counts();
+            r.chains += chains;
+            r.rules += rules;
+            r.elements += elements;
+        }
+        r
+    }
+
+    fn sync_inner(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
+        let rebuild = self.rebuild;
+        let mut tx = Transaction::new();
+        if rebuild {
+            for m in &mut self.mirrors {
+                m.reset();
+                tx.rebuild_family(m.family);
+            }
+        } else {
+            for m in &mut self.mirrors {
+                m.take_stale_chains(&mut tx);
+            }
+        }
+        let full = batch.full || rebuild;
+        let (mut transactions, mut operations) = (0, 0);
+        let mut seen: HashMap<IpFamily, Vec<&crate::model::NamespacedName>> = HashMap::new();
+        for (nsn, ports) in &batch.services {
+            for m in &mut self.mirrors {
+                m.sync_service(nsn, ports, &self.opts, &mut tx)?;
+                seen.entry(m.family).or_default().push(nsn);
+            }
+            if tx.ops() >= self.max_ops {
+                self.apply(&tx)?;
+                transactions += 1;
+                operations += tx.ops();
+                tx = Transaction::new();
+            }
+        }
+        if full {
+            for m in &mut self.mirrors {
+                let keep: std::collections::HashSet<_> = seen.get(&m.family).into_iter().flatten().copied().collect();
+                for nsn in m.services_not_in(&keep) {
+                    m.sync_service(&nsn, &[], &self.opts, &mut tx)?;
+                }
+            }
+        }
+        if !tx.is_empty() {
+            self.apply(&tx)?;
+            transactions += 1;
+            operations += tx.ops();
+        }
+        Ok(self.report(transactions, operations))
+    }
+}
+
+impl Proxier for NftablesProxier {
+    fn sync(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
+        match self.sync_inner(batch) {
+            Ok(r) => {
+                self.rebuild = false;
+                Ok(r)
+            }
+            Err(e) => {
+                // The mirror may be ahead of the kernel now: start over next time.
+                self.rebuild = true;
+                Err(e)
+            }
+        }
+    }
+
+    fn verify(&mut self) -> Result<Vec<String>, DataplaneError> {
+        if self.rebuild {
+            return Ok(vec![]);
+        }
+        let mut diffs = Vec::new();
+        for m in &self.mirrors {
+            let fam = render::Family(m.family).nft();
+            match self.exec.run("nft", &["-j", "list", "table", fam, TABLE], None) {
+                Ok(json) => diffs.extend(m.compare_listing(&json).map_err(DataplaneError::Listing)?),
+                Err(ExecError::Failed { stderr, .. }) => diffs.push(format!("table {fam} {TABLE} cannot be listed: {}", stderr.trim())),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !diffs.is_empty() {
+            self.rebuild = true;
+        }
+        Ok(diffs)
+    }
+
+    fn cleanup(&mut self) -> Result<(), DataplaneError> {
+        let mut text = String::new();
+        for fam in IpFamily::ALL {
+            let f = render::Family(fam).nft();
+            // `add` first so that `delete` cannot fail on a missing table.
+            text.push_str(&format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n"));
+        }
+        self.exec.run("nft", &["-f", "-"], Some(text.as_bytes()))?;
+        for m in &mut self.mirrors {
+            m.reset();
+        }
+        self.rebuild = true;
+        Ok(())
+    }
+
+    fn mode(&self) -> &'static str {
+        "nftables"
+    }
+}

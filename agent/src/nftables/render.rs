@@ -1,0 +1,570 @@
+//! Rendering: the table skeleton, and one Service port → its [`Fragment`] (chains, sets and
+//! map elements it owns). Pure: no I/O; slot ranges come from the caller's allocator.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use super::slots::{SlotAllocator, SlotRange, SlotsExhausted};
+use crate::model::state::DesiredPort;
+use crate::model::{Endpoint, IpFamily, ServicePortName};
+
+/// Name of the agent's table in each family (`ip clusterip`, `ip6 clusterip`).
+pub const TABLE: &str = "clusterip";
+/// Mark bit asking `nat-postrouting` to masquerade (kube-proxy's 0x4000).
+pub const MASQ_MARK: &str = "0x00004000";
+
+// Table-wide maps and sets.
+pub const SERVICE_IPS: &str = "service-ips";
+pub const SERVICE_NODEPORTS: &str = "service-nodeports";
+pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+pub const FIREWALL_IPS: &str = "firewall-ips";
+pub const ENDPOINT_DNAT: &str = "endpoint-dnat";
+pub const ENDPOINT_CHAINS: &str = "endpoint-chains";
+pub const HAIRPIN: &str = "hairpin";
+
+/// All table-wide maps and sets, in a fixed order.
+pub const SHARED_SETS: [&str; 8] =
+    [SERVICE_IPS, SERVICE_NODEPORTS, NO_ENDPOINT_SERVICES, NO_ENDPOINT_NODEPORTS, FIREWALL_IPS, ENDPOINT_DNAT, ENDPOINT_CHAINS, HAIRPIN];
+
+/// Rendering choices that come from flags.
+#[derive(Debug, Clone, Default)]
+pub struct RenderOptions {
+    /// Masquerade all traffic to ClusterIPs (`--masquerade-all`).
+    pub masquerade_all: bool,
+    /// Pod CIDRs of the cluster (`--cluster-cidr`): traffic to a ClusterIP from outside
+    /// them is masqueraded (kube-proxy's local-traffic detector).
+    pub cluster_cidrs: Vec<IpNet>,
+}
+
+/// Family-dependent spelling.
+#[derive(Debug, Clone, Copy)]
+pub struct Family(pub IpFamily);
+
+impl Family {
+    pub fn nft(self) -> &'static str {
+        match self.0 {
+            IpFamily::V4 => "ip",
+            IpFamily::V6 => "ip6",
+        }
+    }
+    fn addr_type(self) -> &'static str {
+        match self.0 {
+            IpFamily::V4 => "ipv4_addr",
+            IpFamily::V6 => "ipv6_addr",
+        }
+    }
+    fn no_localhost(self) -> &'static str {
+        match self.0 {
+            IpFamily::V4 => "ip daddr != 127.0.0.0/8",
+            IpFamily::V6 => "ip6 daddr != ::1",
+        }
+    }
+    /// `ip:port` as a DNAT target.
+    fn target(self, ip: &IpAddr, port: u16) -> String {
+        match ip {
+            IpAddr::V4(a) => format!("{a}:{port}"),
+            IpAddr::V6(a) => format!("[{a}]:{port}"),
+        }
+    }
+}
+
+/// The skeleton: table, base chains, helper chains, shared maps and their rules,
+/// as `(definitions, rules)` nft commands (without the trailing newline per line).
+pub fn skeleton(family: IpFamily) -> Vec<String> {
+    let f = Family(family);
+    let ip = f.nft();
+    let t = format!("{ip} {TABLE}");
+    let at = f.addr_type();
+    let mut v = vec![format!("add table {t} {{ comment \"rules for clusterip-agent\"; }}")];
+    for (name, ty, hook, prio) in [
+        ("filter-prerouting", "filter", "prerouting", "-110"),
+        ("filter-input", "filter", "input", "-110"),
+        ("filter-forward", "filter", "forward", "-110"),
+        ("filter-output", "filter", "output", "-110"),
+        ("nat-prerouting", "nat", "prerouting", "-100"),
+        ("nat-output", "nat", "output", "-100"),
+        ("nat-postrouting", "nat", "postrouting", "100"),
+    ] {
+        v.push(format!("add chain {t} {name} {{ type {ty} hook {hook} priority {prio}; policy accept; }}"));
+    }
+    for name in SKELETON_CHAINS {
+        v.push(format!("add chain {t} {name}"));
+    }
+    v.push(format!("add map {t} {SERVICE_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}"));
+    v.push(format!("add map {t} {SERVICE_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}"));
+    v.push(format!("add map {t} {NO_ENDPOINT_SERVICES} {{ type {at} . inet_proto . inet_service : verdict; }}"));
+    v.push(format!("add map {t} {NO_ENDPOINT_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}"));
+    v.push(format!("add map {t} {FIREWALL_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}"));
+    v.push(format!("add map {t} {ENDPOINT_DNAT} {{ typeof numgen random mod 1 : {ip} daddr . th dport; }}"));
+    v.push(format!("add map {t} {ENDPOINT_CHAINS} {{ typeof numgen random mod 1 : verdict; }}"));
+    v.push(format!("add set {t} {HAIRPIN} {{ type {at} . {at}; }}"));
+    for (chain, rule) in skeleton_rules(family) {
+        v.push(format!("add rule {t} {chain} {rule}"));
+    }
+    v
+}
+
+/// Regular (non-base) chains of the skeleton.
+pub const SKELETON_CHAINS: [&str; 7] = [
+    "services",
+    "masquerading",
+    "mark-for-masquerade",
+    "reject-chain",
+    "service-endpoints-check",
+    "nodeport-endpoints-check",
+    "firewall-check",
+];
+
+/// Base chains of the skeleton.
+pub const BASE_CHAINS: [&str; 7] =
+    ["filter-prerouting", "filter-input", "filter-forward", "filter-output", "nat-prerouting", "nat-output", "nat-postrouting"];
+
+/// The skeleton's rules as (chain, rule).
+pub fn skeleton_rules(family: IpFamily) -> Vec<(&'static str, String)> {
+    let f = Family(family);
+    let ip = f.nft();
+    let nolo = f.no_localhost();
+    vec![
+        ("filter-prerouting", "ct state new jump firewall-check".into()),
+        ("filter-input", "ct state new jump nodeport-endpoints-check".into()),
+        ("filter-input", "ct state new jump service-endpoints-check".into()),
+        ("filter-forward", "ct state new jump service-endpoints-check".into()),
+        ("filter-output", "ct state new jump service-endpoints-check".into()),
+        ("filter-output", "ct state new jump firewall-check".into()),
+        ("nat-prerouting", "jump services".into()),
+        ("nat-output", "jump services".into()),
+        ("nat-postrouting", "jump masquerading".into()),
+        ("services", format!("{ip} daddr . meta l4proto . th dport vmap @{SERVICE_IPS}")),
+        ("services", format!("fib daddr type local {nolo} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")),
+        ("masquerading", format!("ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN} masquerade")),
+        ("masquerading", format!("meta mark & {MASQ_MARK} == 0 return")),
+        ("masquerading", format!("meta mark set meta mark ^ {MASQ_MARK}")),
+        ("masquerading", "masquerade fully-random".into()),
+        ("mark-for-masquerade", format!("meta mark set meta mark | {MASQ_MARK}")),
+        ("reject-chain", "meta l4proto tcp reject with tcp reset".into()),
+        ("reject-chain", "reject".into()),
+        ("service-endpoints-check", format!("{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES}")),
+        ("nodeport-endpoints-check", format!("fib daddr type local {nolo} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS}")),
+        ("firewall-check", format!("{ip} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}")),
+    ]
+}
+
+/// An element of a table-wide map or set.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Element {
+    pub set: &'static str,
+    pub key: String,
+    /// Map value; None for a set element.
+    pub value: Option<String>,
+}
+
+/// Everything one Service port owns in one family's table.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fragment {
+    /// Chain name → rules.
+    pub chains: BTreeMap<String, Vec<String>>,
+    /// Affinity set name → definition body (inside `{ }`).
+    pub sets: BTreeMap<String, String>,
+    pub elements: Vec<Element>,
+    /// Slot ranges owned, by chain name.
+    pub slots: BTreeMap<String, SlotRange>,
+}
+
+impl Fragment {
+    pub fn is_empty(&self) -> bool {
+        self.chains.is_empty() && self.elements.is_empty() && self.sets.is_empty()
+    }
+
+    /// Operations to create it from nothing (chains + rules + sets + elements).
+    pub fn op_count(&self) -> usize {
+        self.chains.len() + self.chains.values().map(Vec::len).sum::<usize>() + self.sets.len() + self.elements.len()
+    }
+}
+
+/// `namespace/name/proto/port-name-or-number`: the base of this port's object names.
+pub fn chain_base(name: &ServicePortName, port: u16) -> String {
+    let p = if name.port_name.is_empty() { port.to_string() } else { name.port_name.clone() };
+    format!("{}/{}/{}/{}", name.service.namespace, name.service.name, name.protocol, p)
+}
+
+fn endpoint_suffix(ep: &Endpoint) -> String {
+    format!("{}/{}", ep.ip.to_string().replace(':', "."), ep.port)
+}
+
+/// Render one Service port for one family. `prev` is what is programmed now (its slot
+/// ranges are reused when big enough); new ranges come from `slots`.
+pub fn render_port(
+    d: &DesiredPort,
+    family: IpFamily,
+    opts: &RenderOptions,
+    prev: Option<&Fragment>,
+    slots: &mut SlotAllocator,
+) -> Result<Fragment, SlotsExhausted> {
+    let mut frag = Fragment::default();
+    let sp = &d.port;
+    let f = Family(family);
+    let ip = f.nft();
+    let in_family = |a: &&IpAddr| IpFamily::of(a) == family;
+    let cluster_ips: Vec<&IpAddr> = sp.cluster_ips.iter().filter(in_family).collect();
+    if cluster_ips.is_empty() {
+        // kube-proxy programs a Service only in the families of its ClusterIPs.
+        return Ok(frag);
+    }
+    let external_vips: Vec<&IpAddr> = sp.external_ips.iter().chain(&sp.load_balancer_ips).filter(in_family).collect();
+    let eps = d.endpoints(family);
+    let proto = sp.name.protocol.keyword();
+    let base = chain_base(&sp.name, sp.port);
+    let cluster_chain = format!("svc-{base}");
+    let local_chain = format!("local-{base}");
+    let ext_chain = format!("ext-{base}");
+    let fw_chain = format!("fw-{base}");
+    let has_cluster = sp.uses_cluster_endpoints() && !eps.cluster.is_empty();
+    let has_local = sp.uses_local_endpoints() && !eps.local.is_empty();
+    let no_endpoint_verdict = if eps.has_any { "drop".to_string() } else { "goto reject-chain".to_string() };
+
+    // Endpoint selection chains.
+    let mut ep_chain_names: BTreeMap<(IpAddr, u16), String> = BTreeMap::new();
+    for (chain, list, present) in [(&cluster_chain, &eps.cluster, has_cluster), (&local_chain, &eps.local, has_local)] {
+        if !present {
+            continue;
+        }
+        let mut rules = Vec::new();
+        // Masquerade rules for ClusterIP traffic live in the internal-traffic chain.
+        let is_internal = (chain == &cluster_chain) != sp.internal_policy_local;
+        if is_internal {
+            for cip in &cluster_ips {
+                let m = format!("{ip} daddr {cip} {proto} dport {}", sp.port);
+                if opts.masquerade_all {
+                    rules.push(format!("{m} jump mark-for-masquerade"));
+                } else {
+                    let cidrs: Vec<String> =
+                        opts.cluster_cidrs.iter().filter(|n| IpFamily::of(&n.addr()) == family).map(|n| n.to_string()).collect();
+                    if !cidrs.is_empty() {
+                        rules.push(format!("{m} {ip} saddr != {{ {} }} jump mark-for-masquerade", cidrs.join(", ")));
+                    }
+                }
+            }
+        }
+        let n = list.len() as u32;
+        if let Some(timeout) = sp.affinity_timeout {
+            let mut targets = Vec::new();
+            for ep in list {
+                let suffix = endpoint_suffix(ep);
+                let ep_chain = format!("ep-{base}__{suffix}");
+                let set = format!("aff-{timeout}-{base}__{suffix}");
+                rules.push(format!("{ip} saddr @{set} goto {ep_chain}"));
+                if !ep_chain_names.contains_key(&(ep.ip, ep.port)) {
+                    frag.sets.insert(
+                        set.clone(),
+                        format!("type {}; flags dynamic,timeout; timeout {timeout}s;", f.addr_type()),
+                    );
+                    frag.chains.insert(
+                        ep_chain.clone(),
+                        vec![
+                            format!("{ip} saddr {} jump mark-for-masquerade", ep.ip),
+                            format!("update @{set} {{ {ip} saddr }}"),
+                            format!("meta l4proto {proto} dnat to {}", f.target(&ep.ip, ep.port)),
+                        ],
+                    );
+                    ep_chain_names.insert((ep.ip, ep.port), ep_chain.clone());
+                }
+                targets.push(ep_chain);
+            }
+            if n == 1 {
+                rules.push(format!("goto {}", targets[0]));
+            } else {
+                let r = slot_range(chain, n, prev, slots)?;
+                frag.slots.insert(chain.clone(), r);
+                rules.push(format!("numgen random mod {n} offset {} vmap @{ENDPOINT_CHAINS}", r.base));
+                for (i, t) in targets.iter().enumerate() {
+                    frag.elements.push(Element {
+                        set: ENDPOINT_CHAINS,
+                        key: (r.base + i as u32).to_string(),
+                        value: Some(format!("goto {t}")),
+                    });
+                }
+            }
+        } else {
+            for ep in list {
+                frag.elements.push(Element { set: HAIRPIN, key: format!("{} . {}", ep.ip, ep.ip), value: None });
+            }
+            if n == 1 {
+                rules.push(format!("meta l4proto {proto} dnat to {}", f.target(&list[0].ip, list[0].port)));
+            } else {
+                let r = slot_range(chain, n, prev, slots)?;
+                frag.slots.insert(chain.clone(), r);
+                rules.push(format!("meta l4proto {proto} dnat to numgen random mod {n} offset {} map @{ENDPOINT_DNAT}", r.base));
+                for (i, ep) in list.iter().enumerate() {
+                    frag.elements.push(Element {
+                        set: ENDPOINT_DNAT,
+                        key: (r.base + i as u32).to_string(),
+                        value: Some(format!("{} . {}", ep.ip, ep.port)),
+                    });
+                }
+            }
+        }
+        frag.chains.insert(chain.clone(), rules);
+    }
+    frag.elements.dedup();
+
+    // ClusterIPs.
+    let internal = if sp.internal_policy_local { has_local.then_some(&local_chain) } else { has_cluster.then_some(&cluster_chain) };
+    for cip in &cluster_ips {
+        let key = format!("{cip} . {proto} . {}", sp.port);
+        match internal {
+            Some(chain) => frag.elements.push(Element { set: SERVICE_IPS, key, value: Some(format!("goto {chain}")) }),
+            None => frag.elements.push(Element { set: NO_ENDPOINT_SERVICES, key, value: Some(no_endpoint_verdict.clone()) }),
+        }
+    }
+
+    // External traffic: externalIPs, LB IPs, NodePort.
+    if sp.externally_accessible() {
+        let external_target = if sp.external_policy_local { has_local.then_some(&local_chain) } else { has_cluster.then_some(&cluster_chain) };
+        if let Some(target) = external_target {
+            let mut rules = Vec::new();
+            if sp.external_policy_local {
+                if has_cluster {
+                    rules.push("fib saddr type local jump mark-for-masquerade".to_string());
+                    rules.push(format!("fib saddr type local goto {cluster_chain}"));
+                }
+            } else {
+                rules.push("jump mark-for-masquerade".to_string());
+            }
+            rules.push(format!("goto {target}"));
+            frag.chains.insert(ext_chain.clone(), rules);
+        }
+        for vip in &external_vips {
+            let key = format!("{vip} . {proto} . {}", sp.port);
+            match external_target {
+                Some(_) => frag.elements.push(Element { set: SERVICE_IPS, key, value: Some(format!("goto {ext_chain}")) }),
+                None => frag.elements.push(Element { set: NO_ENDPOINT_SERVICES, key, value: Some(no_endpoint_verdict.clone()) }),
+            }
+        }
+        if let Some(np) = sp.node_port {
+            let key = format!("{proto} . {np}");
+            match external_target {
+                Some(_) => frag.elements.push(Element { set: SERVICE_NODEPORTS, key, value: Some(format!("goto {ext_chain}")) }),
+                None => frag.elements.push(Element { set: NO_ENDPOINT_NODEPORTS, key, value: Some(no_endpoint_verdict.clone()) }),
+            }
+        }
+        // loadBalancerSourceRanges apply to LB IPs only (not NodePorts, as in kube-proxy).
+        if !sp.load_balancer_source_ranges.is_empty() {
+            let lb_ips: Vec<&IpAddr> = sp.load_balancer_ips.iter().filter(in_family).collect();
+            if !lb_ips.is_empty() {
+                let ranges: Vec<String> = sp
+                    .load_balancer_source_ranges
+                    .iter()
+                    .filter(|n| IpFamily::of(&n.addr()) == family)
+                    .map(|n| n.to_string())
+                    .collect();
+                let rule = if ranges.is_empty() {
+                    "drop".to_string()
+                } else {
+                    format!("{ip} saddr != {{ {} }} drop", ranges.join(", "))
+                };
+                frag.chains.insert(fw_chain.clone(), vec![rule]);
+                for lb in lb_ips {
+                    frag.elements.push(Element {
+                        set: FIREWALL_IPS,
+                        key: format!("{lb} . {proto} . {}", sp.port),
+                        value: Some(format!("goto {fw_chain}")),
+                    });
+                }
+            }
+        }
+    }
+    Ok(frag)
+}
+
+fn slot_range(chain: &str, n: u32, prev: Option<&Fragment>, slots: &mut SlotAllocator) -> Result<SlotRange, SlotsExhausted> {
+    if let Some(r) = prev.and_then(|p| p.slots.get(chain)) {
+        if r.capacity >= n {
+            return Ok(*r);
+        }
+    }
+    slots.allocate(n)
+}
+
+/// Render a Fragment as the nft commands that create it (for tests and debugging).
+pub fn fragment_text(family: IpFamily, frag: &Fragment) -> String {
+    let t = format!("{} {TABLE}", Family(family).nft());
+    let mut s = String::new();
+    for (name, body) in &frag.sets {
+        let _ = writeln!(s, "add set {t} {name} {{ {body} }}");
+    }
+    for name in frag.chains.keys() {
+        let _ = writeln!(s, "add chain {t} {name}");
+    }
+    for (name, rules) in &frag.chains {
+        for r in rules {
+            let _ = writeln!(s, "add rule {t} {name} {r}");
+        }
+    }
+    for e in &frag.elements {
+        match &e.value {
+            Some(v) => {
+                let _ = writeln!(s, "add element {t} {} {{ {} : {v} }}", e.set, e.key);
+            }
+            None => {
+                let _ = writeln!(s, "add element {t} {} {{ {} }}", e.set, e.key);
+            }
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::service::ServicePort;
+    use crate::model::topology::Categorized;
+    use crate::model::Protocol;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn port() -> ServicePort {
+        ServicePort::cluster_ip("ns", "web", "http", Protocol::Tcp, ip("198.19.0.10"), 80)
+    }
+
+    fn desired(sp: ServicePort, cluster: Vec<Endpoint>, local: Vec<Endpoint>, has_any: bool) -> DesiredPort {
+        DesiredPort { port: sp, v4: Categorized { cluster, local, has_any }, v6: Categorized::default() }
+    }
+
+    fn eps(n: u8) -> Vec<Endpoint> {
+        (1..=n).map(|i| Endpoint::ready(ip(&format!("198.18.2.{i}")), 8080)).collect()
+    }
+
+    fn render(d: &DesiredPort) -> Fragment {
+        render_port(d, IpFamily::V4, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("render")
+    }
+
+    #[test]
+    fn cluster_ip_with_endpoints_uses_shared_dnat_map() {
+        let f = render(&desired(port(), eps(3), vec![], true));
+        assert_eq!(
+            f.chains.get("svc-ns/web/tcp/http").expect("chain"),
+            &vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat".to_string()]
+        );
+        let dnat: Vec<_> = f.elements.iter().filter(|e| e.set == ENDPOINT_DNAT).map(|e| (e.key.as_str(), e.value.as_deref())).collect();
+        assert_eq!(dnat, vec![("0", Some("198.18.2.1 . 8080")), ("1", Some("198.18.2.2 . 8080")), ("2", Some("198.18.2.3 . 8080"))]);
+        assert!(f.elements.contains(&Element {
+            set: SERVICE_IPS,
+            key: "198.19.0.10 . tcp . 80".into(),
+            value: Some("goto svc-ns/web/tcp/http".into())
+        }));
+        assert_eq!(f.elements.iter().filter(|e| e.set == HAIRPIN).count(), 3);
+        assert_eq!(f.chains.len(), 1, "no per-endpoint chains without affinity");
+    }
+
+    #[test]
+    fn single_endpoint_needs_no_map() {
+        let f = render(&desired(port(), eps(1), vec![], true));
+        assert_eq!(f.chains["svc-ns/web/tcp/http"], vec!["meta l4proto tcp dnat to 198.18.2.1:8080".to_string()]);
+        assert!(f.slots.is_empty());
+    }
+
+    #[test]
+    fn no_endpoints_rejects_and_local_without_local_endpoints_drops() {
+        let f = render(&desired(port(), vec![], vec![], false));
+        assert!(f.chains.is_empty());
+        assert_eq!(
+            f.elements,
+            vec![Element { set: NO_ENDPOINT_SERVICES, key: "198.19.0.10 . tcp . 80".into(), value: Some("goto reject-chain".into()) }]
+        );
+        let mut sp = port();
+        sp.internal_policy_local = true;
+        let f = render(&desired(sp, vec![], vec![], true));
+        assert_eq!(f.elements[0].value.as_deref(), Some("drop"));
+    }
+
+    #[test]
+    fn affinity_uses_endpoint_chains_and_dynamic_sets() {
+        let mut sp = port();
+        sp.affinity_timeout = Some(30);
+        let f = render(&desired(sp, eps(2), vec![], true));
+        let svc = &f.chains["svc-ns/web/tcp/http"];
+        assert_eq!(svc[0], "ip saddr @aff-30-ns/web/tcp/http__198.18.2.1/8080 goto ep-ns/web/tcp/http__198.18.2.1/8080");
+        assert_eq!(svc[2], "numgen random mod 2 offset 0 vmap @endpoint-chains");
+        let ep = &f.chains["ep-ns/web/tcp/http__198.18.2.2/8080"];
+        assert_eq!(ep[1], "update @aff-30-ns/web/tcp/http__198.18.2.2/8080 { ip saddr }");
+        assert_eq!(ep[2], "meta l4proto tcp dnat to 198.18.2.2:8080");
+        assert_eq!(f.sets.len(), 2);
+        assert!(f.sets.values().all(|b| b.contains("timeout 30s") && b.contains("dynamic")));
+    }
+
+    #[test]
+    fn node_port_and_external_ips_mark_for_masquerade() {
+        let mut sp = port();
+        sp.node_port = Some(30080);
+        sp.external_ips = vec![ip("198.18.9.9"), ip("fd00::9")];
+        let f = render(&desired(sp, eps(2), vec![], true));
+        assert_eq!(f.chains["ext-ns/web/tcp/http"], vec!["jump mark-for-masquerade".to_string(), "goto svc-ns/web/tcp/http".to_string()]);
+        assert!(f.elements.contains(&Element { set: SERVICE_NODEPORTS, key: "tcp . 30080".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
+        assert!(f.elements.contains(&Element { set: SERVICE_IPS, key: "198.18.9.9 . tcp . 80".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
+        assert!(!f.elements.iter().any(|e| e.key.contains("fd00")), "other-family addresses are not in the ip table");
+    }
+
+    #[test]
+    fn external_local_policy() {
+        let mut sp = port();
+        sp.node_port = Some(30080);
+        sp.external_policy_local = true;
+        let mut local = eps(1);
+        local[0].is_local = true;
+        let f = render(&desired(sp.clone(), eps(2), local, true));
+        assert_eq!(f.chains["ext-ns/web/tcp/http"].last().map(String::as_str), Some("goto local-ns/web/tcp/http"));
+        assert!(f.chains.contains_key("local-ns/web/tcp/http"));
+        // No local endpoint: the NodePort drops (endpoints exist elsewhere), the ClusterIP still works.
+        let f = render(&desired(sp, eps(2), vec![], true));
+        assert!(f.elements.contains(&Element { set: NO_ENDPOINT_NODEPORTS, key: "tcp . 30080".into(), value: Some("drop".into()) }));
+        assert!(f.elements.iter().any(|e| e.set == SERVICE_IPS && e.key.starts_with("198.19.0.10")));
+    }
+
+    #[test]
+    fn load_balancer_source_ranges_make_a_firewall_chain() {
+        let mut sp = port();
+        sp.load_balancer_ips = vec![ip("198.18.8.8")];
+        sp.load_balancer_source_ranges = vec!["198.18.5.0/24".parse().expect("net")];
+        let f = render(&desired(sp, eps(1), vec![], true));
+        assert_eq!(f.chains["fw-ns/web/tcp/http"], vec!["ip saddr != { 198.18.5.0/24 } drop".to_string()]);
+        assert!(f.elements.contains(&Element { set: FIREWALL_IPS, key: "198.18.8.8 . tcp . 80".into(), value: Some("goto fw-ns/web/tcp/http".into()) }));
+    }
+
+    #[test]
+    fn cluster_cidr_masquerades_off_cluster_sources() {
+        let opts = RenderOptions { masquerade_all: false, cluster_cidrs: vec!["198.18.2.0/24".parse().expect("net")] };
+        let f = render_port(&desired(port(), eps(1), vec![], true), IpFamily::V4, &opts, None, &mut SlotAllocator::default()).expect("r");
+        assert_eq!(f.chains["svc-ns/web/tcp/http"][0], "ip daddr 198.19.0.10 tcp dport 80 ip saddr != { 198.18.2.0/24 } jump mark-for-masquerade");
+    }
+
+    #[test]
+    fn slot_ranges_are_reused_when_big_enough() {
+        let mut slots = SlotAllocator::default();
+        let opts = RenderOptions::default();
+        let f1 = render_port(&desired(port(), eps(3), vec![], true), IpFamily::V4, &opts, None, &mut slots).expect("r");
+        let f2 = render_port(&desired(port(), eps(4), vec![], true), IpFamily::V4, &opts, Some(&f1), &mut slots).expect("r");
+        assert_eq!(f1.slots, f2.slots);
+        let f3 = render_port(&desired(port(), eps(5), vec![], true), IpFamily::V4, &opts, Some(&f2), &mut slots).expect("r");
+        assert_ne!(f3.slots, f2.slots);
+    }
+
+    #[test]
+    fn ipv6_targets_are_bracketed() {
+        let sp = ServicePort::cluster_ip("ns", "web", "", Protocol::Udp, ip("fd00:10:96::a"), 53);
+        let d = DesiredPort {
+            port: sp,
+            v4: Categorized::default(),
+            v6: Categorized { cluster: vec![Endpoint::ready(ip("fd00:2::1"), 5353)], local: vec![], has_any: true },
+        };
+        let f = render_port(&d, IpFamily::V6, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("r");
+        assert_eq!(f.chains["svc-ns/web/udp/53"], vec!["meta l4proto udp dnat to [fd00:2::1]:5353".to_string()]);
+        let v4 = render_port(&d, IpFamily::V4, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("r");
+        assert!(v4.is_empty());
+    }
+}

@@ -1,0 +1,172 @@
+//! One nft transaction (one `nft -f -` run, atomic), assembled in the order the kernel
+//! needs: chains and sets first, stale elements out, rules, new elements in, sets removed.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use super::render::{skeleton, Family, TABLE};
+use crate::model::IpFamily;
+
+/// Elements per `add element` / `delete element` command.
+const ELEMENTS_PER_COMMAND: usize = 1000;
+
+#[derive(Debug, Default)]
+struct FamilyTx {
+    pre: String,
+    delete_elements: BTreeMap<&'static str, Vec<String>>,
+    rules: String,
+    add_elements: BTreeMap<&'static str, Vec<String>>,
+    post: String,
+}
+
+/// A transaction over both families' tables.
+#[derive(Debug, Default)]
+pub struct Transaction {
+    v4: FamilyTx,
+    v6: FamilyTx,
+    ops: usize,
+}
+
+fn table(fam: IpFamily) -> String {
+    format!("{} {TABLE}", Family(fam).nft())
+}
+
+impl Transaction {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn fam(&mut self, fam: IpFamily) -> &mut FamilyTx {
+        match fam {
+            IpFamily::V4 => &mut self.v4,
+            IpFamily::V6 => &mut self.v6,
+        }
+    }
+
+    /// Operations so far.
+    pub fn ops(&self) -> usize {
+        self.ops
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ops == 0
+    }
+
+    /// Drop the family's table (whatever it holds) and create the skeleton.
+    pub fn rebuild_family(&mut self, fam: IpFamily) {
+        let t = table(fam);
+        let f = self.fam(fam);
+        let _ = writeln!(f.pre, "add table {t}\ndelete table {t}");
+        for line in skeleton(fam) {
+            f.pre.push_str(&line);
+            f.pre.push('\n');
+        }
+        self.ops += 1;
+    }
+
+    pub fn add_chain(&mut self, fam: IpFamily, name: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).pre, "add chain {t} {name}");
+        self.ops += 1;
+    }
+
+    pub fn flush_chain(&mut self, fam: IpFamily, name: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).pre, "flush chain {t} {name}");
+        self.ops += 1;
+    }
+
+    /// Delete a chain emptied (and unreferenced) in an earlier transaction.
+    pub fn delete_chain(&mut self, fam: IpFamily, name: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).pre, "delete chain {t} {name}");
+        self.ops += 1;
+    }
+
+    pub fn add_set(&mut self, fam: IpFamily, name: &str, body: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).pre, "add set {t} {name} {{ {body} }}");
+        self.ops += 1;
+    }
+
+    /// Delete a set at the end (after the rules using it were flushed).
+    pub fn delete_set(&mut self, fam: IpFamily, name: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).post, "delete set {t} {name}");
+        self.ops += 1;
+    }
+
+    pub fn add_rule(&mut self, fam: IpFamily, chain: &str, rule: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).rules, "add rule {t} {chain} {rule}");
+        self.ops += 1;
+    }
+
+    pub fn add_element(&mut self, fam: IpFamily, set: &'static str, key: &str, value: Option<&str>) {
+        let e = match value {
+            Some(v) => format!("{key} : {v}"),
+            None => key.to_string(),
+        };
+        self.fam(fam).add_elements.entry(set).or_default().push(e);
+        self.ops += 1;
+    }
+
+    pub fn delete_element(&mut self, fam: IpFamily, set: &'static str, key: &str) {
+        self.fam(fam).delete_elements.entry(set).or_default().push(key.to_string());
+        self.ops += 1;
+    }
+
+    /// The `nft -f` input.
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        for (fam, f) in [(IpFamily::V4, &self.v4), (IpFamily::V6, &self.v6)] {
+            let t = table(fam);
+            s.push_str(&f.pre);
+            for (set, keys) in &f.delete_elements {
+                for chunk in keys.chunks(ELEMENTS_PER_COMMAND) {
+                    let _ = writeln!(s, "delete element {t} {set} {{ {} }}", chunk.join(", "));
+                }
+            }
+            s.push_str(&f.rules);
+            for (set, elems) in &f.add_elements {
+                for chunk in elems.chunks(ELEMENTS_PER_COMMAND) {
+                    let _ = writeln!(s, "add element {t} {set} {{ {} }}", chunk.join(", "));
+                }
+            }
+            s.push_str(&f.post);
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn order_is_chains_deletes_rules_adds_sets() {
+        let mut tx = Transaction::new();
+        tx.add_element(IpFamily::V4, "service-ips", "198.19.0.1 . tcp . 80", Some("goto svc-a"));
+        tx.add_rule(IpFamily::V4, "svc-a", "meta l4proto tcp dnat to 198.18.2.1:80");
+        tx.delete_set(IpFamily::V4, "aff-x");
+        tx.delete_element(IpFamily::V4, "service-ips", "198.19.0.2 . tcp . 80");
+        tx.add_chain(IpFamily::V4, "svc-a");
+        let text = tx.text();
+        let pos = |needle: &str| text.find(needle).unwrap_or_else(|| panic!("{needle} missing from {text}"));
+        assert!(pos("add chain") < pos("delete element"));
+        assert!(pos("delete element") < pos("add rule"));
+        assert!(pos("add rule") < pos("add element"));
+        assert!(pos("add element") < pos("delete set"));
+        assert_eq!(tx.ops(), 5);
+    }
+
+    #[test]
+    fn elements_are_batched_per_command() {
+        let mut tx = Transaction::new();
+        for i in 0..2500 {
+            tx.add_element(IpFamily::V6, "hairpin", &format!("fd00::{i:x} . fd00::{i:x}"), None);
+        }
+        let text = tx.text();
+        assert_eq!(text.lines().filter(|l| l.starts_with("add element ip6 clusterip hairpin")).count(), 3);
+    }
+}

@@ -1,0 +1,147 @@
+//! Watches of Services, EndpointSlices and this node's Node (kube-runtime watchers),
+//! folded into the shared [`ProxyState`](crate::model::state::ProxyState).
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, ResourceExt};
+
+use crate::healthz::TO_BE_DELETED_TAINT;
+use crate::model::service::{HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL};
+use crate::model::NamespacedName;
+use crate::sync::Shared;
+
+/// Node label with the node's zone.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// kube-proxy's Service label selector, for this agent's proxy name.
+pub fn service_selector(proxy_name: Option<&str>) -> String {
+    match proxy_name {
+        Some(n) => format!("{SERVICE_PROXY_NAME_LABEL}={n},!{HEADLESS_LABEL}"),
+        None => format!("!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}"),
+    }
+}
+
+fn nsn<K: ResourceExt>(o: &K) -> NamespacedName {
+    NamespacedName::new(o.namespace().unwrap_or_else(|| "default".into()), o.name_any())
+}
+
+/// Watch Services until the stream ends (it retries with backoff on errors).
+pub async fn services(client: Client, shared: Arc<Shared>, proxy_name: Option<String>) {
+    let api: Api<Service> = Api::all(client);
+    let cfg = watcher::Config::default().labels(&service_selector(proxy_name.as_deref()));
+    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut buffer = Vec::new();
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Ok(Event::Init) => buffer.clear(),
+            Ok(Event::InitApply(s)) => buffer.push(s),
+            Ok(Event::InitDone) => {
+                let list = std::mem::take(&mut buffer);
+                shared.update(|c| {
+                    c.state.replace_services(&list);
+                    c.services_synced = true;
+                    true
+                });
+            }
+            Ok(Event::Apply(s)) => shared.update(|c| c.state.apply_service(&s)),
+            Ok(Event::Delete(s)) => shared.update(|c| c.state.delete_service(&nsn(&s))),
+            Err(e) => tracing::warn!(error = %e, "Service watch error (retrying)"),
+        }
+    }
+}
+
+/// Watch EndpointSlices until the stream ends.
+pub async fn endpoint_slices(client: Client, shared: Arc<Shared>) {
+    let api: Api<EndpointSlice> = Api::all(client);
+    let cfg = watcher::Config::default().labels(&format!("!{HEADLESS_LABEL}"));
+    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut buffer = Vec::new();
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Ok(Event::Init) => buffer.clear(),
+            Ok(Event::InitApply(s)) => buffer.push(s),
+            Ok(Event::InitDone) => {
+                let list = std::mem::take(&mut buffer);
+                shared.update(|c| {
+                    c.state.replace_slices(&list);
+                    c.slices_synced = true;
+                    true
+                });
+            }
+            Ok(Event::Apply(s)) => shared.update(|c| c.state.apply_slice(&s)),
+            Ok(Event::Delete(s)) => shared.update(|c| c.state.delete_slice(&nsn(&s))),
+            Err(e) => tracing::warn!(error = %e, "EndpointSlice watch error (retrying)"),
+        }
+    }
+}
+
+/// Whether a Node may receive load-balancer traffic (kube-proxy's `NodeEligible`).
+pub fn node_eligible(node: Option<&Node>) -> bool {
+    let Some(node) = node else { return false };
+    if node.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    !tainted
+}
+
+/// Watch this node's Node object: zone (topology) and eligibility (healthz).
+pub async fn node(client: Client, shared: Arc<Shared>, node_name: String) {
+    let api: Api<Node> = Api::all(client);
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut seen = false;
+    while let Some(ev) = stream.next().await {
+        let node = match ev {
+            Ok(Event::Apply(n)) | Ok(Event::InitApply(n)) => {
+                seen = true;
+                Some(n)
+            }
+            Ok(Event::Delete(_)) => None,
+            Ok(Event::Init) => {
+                seen = false;
+                continue;
+            }
+            Ok(Event::InitDone) if seen => continue,
+            Ok(Event::InitDone) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "Node watch error (retrying)");
+                continue;
+            }
+        };
+        shared.health.set_node_eligible(node_eligible(node.as_ref()));
+        let zone = node.as_ref().and_then(|n| n.labels().get(ZONE_LABEL).cloned());
+        shared.update(|c| c.state.set_node_zone(zone));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selectors_match_kube_proxy() {
+        assert_eq!(service_selector(None), "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless");
+        assert_eq!(service_selector(Some("x")), "service.kubernetes.io/service-proxy-name=x,!service.kubernetes.io/headless");
+    }
+
+    #[test]
+    fn eligibility() {
+        assert!(!node_eligible(None));
+        let n: Node = serde_json::from_value(serde_json::json!({"metadata": {"name": "n1"}})).expect("node");
+        assert!(node_eligible(Some(&n)));
+        let t: Node = serde_json::from_value(serde_json::json!({"metadata": {"name": "n1"},
+            "spec": {"taints": [{"key": TO_BE_DELETED_TAINT, "effect": "NoSchedule"}]}}))
+        .expect("node");
+        assert!(!node_eligible(Some(&t)));
+    }
+}

@@ -297,10 +297,10 @@ mod tests {
         sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.2", "198.18.2.3"])]);
         let t = sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.3"])]);
         assert!(t.contains("flush chain ip clusterip svc-ns/a/tcp/80"));
-        assert!(t.contains("add rule ip clusterip svc-ns/a/tcp/80 meta l4proto tcp dnat to numgen random mod 2 offset 0 map @endpoint-dnat"));
+        assert!(t.contains("add rule ip clusterip svc-ns/a/tcp/80 meta l4proto tcp dnat to numgen random mod 2 offset 0 map @endpoint-dnat-tcp"));
         // Slot 1 now points at .3, slot 2 is gone, the hairpin of .2 is gone.
-        assert!(t.contains("delete element ip clusterip endpoint-dnat { 1, 2 }"), "{t}");
-        assert!(t.contains("add element ip clusterip endpoint-dnat { 1 : 198.18.2.3 . 8080 }"), "{t}");
+        assert!(t.contains("delete element ip clusterip endpoint-dnat-tcp { 1, 2 }"), "{t}");
+        assert!(t.contains("add element ip clusterip endpoint-dnat-tcp { 1 : 198.18.2.3 . 8080 }"), "{t}");
         assert!(t.contains("delete element ip clusterip hairpin { 198.18.2.2 . 198.18.2.2 }"), "{t}");
         assert!(!t.contains("service-ips"), "the VIP element is unchanged: {t}");
     }

@@ -9,7 +9,7 @@ use ipnet::IpNet;
 
 use super::slots::{SlotAllocator, SlotRange, SlotsExhausted};
 use crate::model::state::DesiredPort;
-use crate::model::{Endpoint, IpFamily, ServicePortName};
+use crate::model::{Endpoint, IpFamily, Protocol, ServicePortName};
 
 /// Name of the agent's table in each family (`ip clusterip`, `ip6 clusterip`).
 pub const TABLE: &str = "clusterip";
@@ -22,13 +22,36 @@ pub const SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 pub const FIREWALL_IPS: &str = "firewall-ips";
-pub const ENDPOINT_DNAT: &str = "endpoint-dnat";
+pub const ENDPOINT_DNAT_TCP: &str = "endpoint-dnat-tcp";
+pub const ENDPOINT_DNAT_UDP: &str = "endpoint-dnat-udp";
+pub const ENDPOINT_DNAT_SCTP: &str = "endpoint-dnat-sctp";
 pub const ENDPOINT_CHAINS: &str = "endpoint-chains";
 pub const HAIRPIN: &str = "hairpin";
 
 /// All table-wide maps and sets, in a fixed order.
-pub const SHARED_SETS: [&str; 8] =
-    [SERVICE_IPS, SERVICE_NODEPORTS, NO_ENDPOINT_SERVICES, NO_ENDPOINT_NODEPORTS, FIREWALL_IPS, ENDPOINT_DNAT, ENDPOINT_CHAINS, HAIRPIN];
+pub const SHARED_SETS: [&str; 10] = [
+    SERVICE_IPS,
+    SERVICE_NODEPORTS,
+    NO_ENDPOINT_SERVICES,
+    NO_ENDPOINT_NODEPORTS,
+    FIREWALL_IPS,
+    ENDPOINT_DNAT_TCP,
+    ENDPOINT_DNAT_UDP,
+    ENDPOINT_DNAT_SCTP,
+    ENDPOINT_CHAINS,
+    HAIRPIN,
+];
+
+/// The shared DNAT map of a protocol. One per protocol: nft (1.0.6 at least) rejects a
+/// rule using a `typeof … th dport` map read back from the kernel ("conflicting
+/// protocols"), so the map data is typed with the protocol's own port field.
+pub fn endpoint_dnat(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Tcp => ENDPOINT_DNAT_TCP,
+        Protocol::Udp => ENDPOINT_DNAT_UDP,
+        Protocol::Sctp => ENDPOINT_DNAT_SCTP,
+    }
+}
 
 /// Rendering choices that come from flags.
 #[derive(Debug, Clone, Default)]
@@ -99,7 +122,10 @@ pub fn skeleton(family: IpFamily) -> Vec<String> {
     v.push(format!("add map {t} {NO_ENDPOINT_SERVICES} {{ type {at} . inet_proto . inet_service : verdict; }}"));
     v.push(format!("add map {t} {NO_ENDPOINT_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}"));
     v.push(format!("add map {t} {FIREWALL_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}"));
-    v.push(format!("add map {t} {ENDPOINT_DNAT} {{ typeof numgen random mod 1 : {ip} daddr . th dport; }}"));
+    for p in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+        let (map, kw) = (endpoint_dnat(p), p.keyword());
+        v.push(format!("add map {t} {map} {{ typeof numgen random mod 1 : {ip} daddr . {kw} dport; }}"));
+    }
     v.push(format!("add map {t} {ENDPOINT_CHAINS} {{ typeof numgen random mod 1 : verdict; }}"));
     v.push(format!("add set {t} {HAIRPIN} {{ type {at} . {at}; }}"));
     for (chain, rule) in skeleton_rules(family) {
@@ -297,10 +323,11 @@ pub fn render_port(
             } else {
                 let r = slot_range(chain, n, prev, slots)?;
                 frag.slots.insert(chain.clone(), r);
-                rules.push(format!("meta l4proto {proto} dnat to numgen random mod {n} offset {} map @{ENDPOINT_DNAT}", r.base));
+                let map = endpoint_dnat(sp.name.protocol);
+                rules.push(format!("meta l4proto {proto} dnat to numgen random mod {n} offset {} map @{map}", r.base));
                 for (i, ep) in list.iter().enumerate() {
                     frag.elements.push(Element {
-                        set: ENDPOINT_DNAT,
+                        set: map,
                         key: (r.base + i as u32).to_string(),
                         value: Some(format!("{} . {}", ep.ip, ep.port)),
                     });
@@ -449,9 +476,9 @@ mod tests {
         let f = render(&desired(port(), eps(3), vec![], true));
         assert_eq!(
             f.chains.get("svc-ns/web/tcp/http").expect("chain"),
-            &vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat".to_string()]
+            &vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat-tcp".to_string()]
         );
-        let dnat: Vec<_> = f.elements.iter().filter(|e| e.set == ENDPOINT_DNAT).map(|e| (e.key.as_str(), e.value.as_deref())).collect();
+        let dnat: Vec<_> = f.elements.iter().filter(|e| e.set == ENDPOINT_DNAT_TCP).map(|e| (e.key.as_str(), e.value.as_deref())).collect();
         assert_eq!(dnat, vec![("0", Some("198.18.2.1 . 8080")), ("1", Some("198.18.2.2 . 8080")), ("2", Some("198.18.2.3 . 8080"))]);
         assert!(f.elements.contains(&Element {
             set: SERVICE_IPS,

@@ -1,0 +1,445 @@
+//! Test support for the agent's network-namespace tests: namespaces, a node/client/backend
+//! topology, responders answering with their own name, the agent process, and the
+//! Kubernetes objects (Services without selectors, EndpointSlices written by the test).
+//!
+//! Topology (all in namespaces created here, removed on drop even when a test fails):
+//!
+//! ```text
+//!   client ns                 node ns (rules)                      backend ns b0..bN
+//!   eth0 198.18.1.2/24  ───  c0 198.18.1.1/24
+//!        fd00:1::2/64            fd00:1::1/64
+//!                            br0 198.18.2.1/24, fd00:2::1/64  ───  eth0 198.18.2.(10+i)/24
+//!                                                                       fd00:2::(10+i)/64
+//! ```
+//! Client and backends are in different subnets so replies go back through the node (and
+//! its conntrack), as they would through a real node.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::Api;
+
+pub const TCP_PORT: u16 = 8080;
+pub const UDP_PORT: u16 = 5353;
+
+/// Run a command; panic with its output if it fails (test setup only).
+pub fn sh(args: &[&str]) -> String {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert!(out.status.success(), "{args:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Run a command in a namespace (`ip netns exec`).
+pub fn ns_sh(ns: &str, args: &[&str]) -> String {
+    let mut v = vec!["ip", "netns", "exec", ns];
+    v.extend_from_slice(args);
+    sh(&v)
+}
+
+/// Like `ns_sh`, returning None on failure.
+pub fn ns_try(ns: &str, args: &[&str]) -> Option<String> {
+    let out = Command::new("ip").args(["netns", "exec", ns]).args(args).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A short unique name (interface / namespace names are limited).
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}{}x{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A network namespace, deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(prefix: &str) -> Netns {
+        let name = unique(prefix);
+        sh(&["ip", "netns", "add", &name]);
+        let ns = Netns { name };
+        ns_sh(&ns.name, &["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+/// Run `f` on a thread that entered namespace `ns` (sockets made there stay there).
+pub fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+            // SAFETY: setns on this thread only, with a valid namespace fd.
+            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .unwrap_or_else(|_| panic!("thread in {ns} panicked"))
+    })
+}
+
+/// TCP/UDP responders in a backend namespace answering with `name`; stopped on drop.
+pub struct Responder {
+    stop: Arc<AtomicBool>,
+    tcp_fd: i32,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    _tcp: Arc<TcpListener>,
+}
+
+impl Responder {
+    pub fn start(ns: &str, name: &str) -> Responder {
+        let (tcp, udp) = in_netns(ns, || {
+            let tcp = TcpListener::bind((std::net::Ipv6Addr::UNSPECIFIED, TCP_PORT)).expect("bind tcp");
+            let udp = UdpSocket::bind((std::net::Ipv6Addr::UNSPECIFIED, UDP_PORT)).expect("bind udp");
+            (tcp, udp)
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let tcp = Arc::new(tcp);
+        let tcp_fd = tcp.as_raw_fd();
+        let mut threads = Vec::new();
+        {
+            let (tcp, stop, name) = (tcp.clone(), stop.clone(), name.to_string());
+            threads.push(std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match tcp.accept() {
+                        Ok((mut s, _)) => {
+                            let _ = s.write_all(format!("{name}\n").as_bytes());
+                        }
+                        Err(_) => {
+                            if stop.load(Ordering::Relaxed) {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }));
+        }
+        {
+            let (stop, name) = (stop.clone(), name.to_string());
+            udp.set_read_timeout(Some(Duration::from_millis(100))).expect("udp timeout");
+            threads.push(std::thread::spawn(move || {
+                let mut buf = [0u8; 512];
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok((_, from)) = udp.recv_from(&mut buf) {
+                        let _ = udp.send_to(format!("{name}\n").as_bytes(), from);
+                    }
+                }
+            }));
+        }
+        Responder { stop, tcp_fd, threads, _tcp: tcp }
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // SAFETY: shutting down our own listening socket wakes the blocked accept().
+        unsafe { libc::shutdown(self.tcp_fd, libc::SHUT_RDWR) };
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The node, client and backend namespaces, wired up, with responders running.
+pub struct Topology {
+    pub responders: Vec<Responder>,
+    pub backends: Vec<Netns>,
+    pub client: Netns,
+    pub node: Netns,
+}
+
+impl Topology {
+    pub const NODE_IP: &'static str = "198.18.1.1";
+    pub const NODE_IP6: &'static str = "fd00:1::1";
+
+    pub fn new(backends: usize) -> Topology {
+        let node = Netns::new("cipn");
+        let client = Netns::new("cipc");
+        let n = node.name.as_str();
+        for (k, v) in [("net.ipv4.ip_forward", "1"), ("net.ipv6.conf.all.forwarding", "1")] {
+            ns_sh(n, &["sysctl", "-qw", &format!("{k}={v}")]);
+        }
+        sh(&["ip", "-n", n, "link", "add", "c0", "type", "veth", "peer", "name", "eth0", "netns", &client.name]);
+        ns_sh(n, &["ip", "addr", "add", "198.18.1.1/24", "dev", "c0"]);
+        ns_sh(n, &["ip", "addr", "add", "fd00:1::1/64", "dev", "c0", "nodad"]);
+        ns_sh(n, &["ip", "link", "set", "c0", "up"]);
+        let c = client.name.as_str();
+        ns_sh(c, &["ip", "addr", "add", "198.18.1.2/24", "dev", "eth0"]);
+        ns_sh(c, &["ip", "addr", "add", "fd00:1::2/64", "dev", "eth0", "nodad"]);
+        ns_sh(c, &["ip", "link", "set", "eth0", "up"]);
+        ns_sh(c, &["ip", "route", "add", "default", "via", "198.18.1.1"]);
+        ns_sh(c, &["ip", "-6", "route", "add", "default", "via", "fd00:1::1"]);
+        ns_sh(n, &["ip", "link", "add", "br0", "type", "bridge"]);
+        ns_sh(n, &["ip", "addr", "add", "198.18.2.1/24", "dev", "br0"]);
+        ns_sh(n, &["ip", "addr", "add", "fd00:2::1/64", "dev", "br0", "nodad"]);
+        ns_sh(n, &["ip", "link", "set", "br0", "up"]);
+        // Service VIPs are routed towards the backends, so that traffic to a VIP without
+        // endpoints reaches the forward hook (where it is rejected), as on a real node.
+        ns_sh(n, &["ip", "route", "add", "198.19.0.0/16", "dev", "br0"]);
+        ns_sh(n, &["ip", "-6", "route", "add", "fd00:10:96::/112", "dev", "br0"]);
+        let mut bs = Vec::new();
+        let mut responders = Vec::new();
+        for i in 0..backends {
+            let b = Netns::new("cipb");
+            let veth = format!("b{i}");
+            sh(&["ip", "-n", n, "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &b.name]);
+            ns_sh(n, &["ip", "link", "set", &veth, "master", "br0"]);
+            ns_sh(n, &["ip", "link", "set", &veth, "up"]);
+            ns_sh(&b.name, &["ip", "addr", "add", &format!("{}/24", Self::backend_ip(i)), "dev", "eth0"]);
+            ns_sh(&b.name, &["ip", "addr", "add", &format!("{}/64", Self::backend_ip6(i)), "dev", "eth0", "nodad"]);
+            ns_sh(&b.name, &["ip", "link", "set", "eth0", "up"]);
+            ns_sh(&b.name, &["ip", "route", "add", "default", "via", "198.18.2.1"]);
+            ns_sh(&b.name, &["ip", "-6", "route", "add", "default", "via", "fd00:2::1"]);
+            responders.push(Responder::start(&b.name, &format!("b{i}")));
+            bs.push(b);
+        }
+        Topology { responders, backends: bs, client, node }
+    }
+
+    pub fn backend_ip(i: usize) -> String {
+        format!("198.18.2.{}", 10 + i)
+    }
+
+    pub fn backend_ip6(i: usize) -> String {
+        format!("fd00:2::{}", 10 + i)
+    }
+
+    /// One TCP request from the client namespace: the backend's name, or the error.
+    pub fn tcp_get(&self, addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+        in_netns(&self.client.name, || {
+            let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+            s.set_read_timeout(Some(timeout))?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            Ok(out.trim().to_string())
+        })
+    }
+
+    /// One UDP request from the client namespace from source port `src_port`.
+    pub fn udp_ask(&self, addr: SocketAddr, src_port: u16, timeout: Duration) -> std::io::Result<String> {
+        in_netns(&self.client.name, || {
+            let bind: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], src_port).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, src_port).into() };
+            let s = UdpSocket::bind(bind)?;
+            s.set_read_timeout(Some(timeout))?;
+            s.send_to(b"who\n", addr)?;
+            let mut buf = [0u8; 128];
+            let (n, _) = s.recv_from(&mut buf)?;
+            Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+        })
+    }
+
+    /// `nft list table <family> clusterip` in the node namespace ("" if absent).
+    pub fn nft_table(&self, family: &str) -> String {
+        ns_try(&self.node.name, &["nft", "list", "table", family, "clusterip"]).unwrap_or_default()
+    }
+}
+
+/// Poll `f` until it returns Some or the deadline passes.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The agent running against the node namespace; killed on drop.
+pub struct Agent {
+    child: Child,
+    pub node_name: String,
+    pub proxy_name: String,
+    log: std::path::PathBuf,
+}
+
+impl Agent {
+    pub fn start(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str]) -> Agent {
+        let node_name = format!("node-{proxy_name}");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_clusterip-agent"));
+        cmd.args(["--netns", node_ns, "--node-name", &node_name, "--service-proxy-name", proxy_name])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(["--min-sync-period", "100ms", "--healthz-bind-address", "", "--metrics-bind-address", ""])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null());
+        let log = std::env::temp_dir().join(format!("clusterip-agent-test-{proxy_name}.log"));
+        let file = std::fs::File::create(&log).expect("agent log file");
+        cmd.stderr(file);
+        let child = cmd.spawn().expect("start clusterip-agent");
+        Agent { child, node_name, proxy_name: proxy_name.to_string(), log }
+    }
+
+    /// The agent's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Every sync the agent ran succeeded.
+    pub fn assert_no_sync_failures(&self) {
+        let log = self.log();
+        assert!(log.contains("sync done"), "the agent never synced:\n{log}");
+        assert!(!log.contains("sync failed"), "a sync failed:\n{log}");
+    }
+
+    pub fn stop(&mut self) {
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.stop();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- agent log ---\n{}", self.log());
+        }
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// A Kubernetes namespace for one test, with its objects deleted on drop.
+pub struct KubeNs {
+    pub name: String,
+    pub client: kube::Client,
+    rt: Arc<tokio::runtime::Runtime>,
+}
+
+/// One endpoint to write into an EndpointSlice.
+#[derive(Clone, Debug)]
+pub struct Ep {
+    pub ip: String,
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+    pub node: Option<String>,
+}
+
+impl Ep {
+    pub fn ready(ip: &str) -> Ep {
+        Ep { ip: ip.into(), ready: Some(true), serving: Some(true), terminating: Some(false), node: Some("elsewhere".into()) }
+    }
+}
+
+impl KubeNs {
+    pub fn new(rt: Arc<tokio::runtime::Runtime>) -> KubeNs {
+        let cp = clusterip_test_support::control_plane();
+        let client = rt.block_on(cp.client());
+        let name = clusterip_test_support::unique_name("agent-test");
+        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("ns");
+        rt.block_on(Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns)).expect("create namespace");
+        KubeNs { name, client, rt }
+    }
+
+    pub fn kubeconfig() -> std::path::PathBuf {
+        clusterip_test_support::control_plane().kubeconfig()
+    }
+
+    /// Create a Service without selector, labelled for `proxy_name`; returns it as stored.
+    pub fn service(&self, proxy_name: &str, name: &str, spec: serde_json::Value) -> Service {
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": {"service.kubernetes.io/service-proxy-name": proxy_name}},
+            "spec": spec,
+        }))
+        .expect("service json");
+        let api: Api<Service> = Api::namespaced(self.client.clone(), &self.name);
+        self.rt.block_on(api.create(&PostParams::default(), &svc)).expect("create service")
+    }
+
+    /// Write (create or replace) the EndpointSlice `slice` of Service `svc`.
+    pub fn slice(&self, svc: &str, slice: &str, family: &str, port_name: &str, protocol: &str, port: u16, eps: &[Ep]) {
+        let endpoints: Vec<serde_json::Value> = eps
+            .iter()
+            .map(|e| {
+                let mut cond = serde_json::Map::new();
+                for (k, v) in [("ready", e.ready), ("serving", e.serving), ("terminating", e.terminating)] {
+                    if let Some(v) = v {
+                        cond.insert(k.into(), v.into());
+                    }
+                }
+                let mut ep = serde_json::json!({"addresses": [e.ip], "conditions": cond});
+                if let Some(n) = &e.node {
+                    ep["nodeName"] = n.clone().into();
+                }
+                ep
+            })
+            .collect();
+        let obj: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": slice, "namespace": self.name, "labels": {
+                "kubernetes.io/service-name": svc, "endpointslice.kubernetes.io/managed-by": "clusterip-agent-tests"}},
+            "addressType": family,
+            "ports": [{"name": port_name, "port": port, "protocol": protocol}],
+            "endpoints": endpoints,
+        }))
+        .expect("slice json");
+        let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &self.name);
+        self.rt
+            .block_on(api.patch(slice, &PatchParams::apply("clusterip-agent-tests").force(), &Patch::Apply(&obj)))
+            .expect("apply endpointslice");
+    }
+}
+
+impl Drop for KubeNs {
+    fn drop(&mut self) {
+        let svcs: Api<Service> = Api::namespaced(self.client.clone(), &self.name);
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &self.name);
+        let nss: Api<Namespace> = Api::all(self.client.clone());
+        let name = self.name.clone();
+        self.rt.block_on(async move {
+            let lp = Default::default();
+            let dp = DeleteParams::default();
+            let _ = svcs.delete_collection(&dp, &lp).await;
+            let _ = slices.delete_collection(&dp, &lp).await;
+            let _ = nss.delete(&name, &dp).await;
+        });
+    }
+}
+
+/// A runtime for the kube client calls of one test.
+pub fn runtime() -> Arc<tokio::runtime::Runtime> {
+    Arc::new(tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime"))
+}
+
+/// `ip:port` socket address.
+pub fn sa(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse::<IpAddr>().expect("ip"), port)
+}
+
+/// The first ClusterIP of the family of `v6`.
+pub fn cluster_ip(svc: &Service, v6: bool) -> String {
+    let ips = svc.spec.as_ref().and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
+    ips.into_iter().find(|ip| ip.contains(':') == v6).unwrap_or_else(|| panic!("no ClusterIP of that family in {svc:?}"))
+}

@@ -1,0 +1,126 @@
+//! The nftables dataplane against the real kernel (in a namespace of its own), without
+//! a cluster: every rendered transaction must be accepted by nft, the kernel must match
+//! the mirror after each sync, and drift must be detected.
+
+mod common;
+
+use std::net::IpAddr;
+
+use clusterip_agent::model::service::ServicePort;
+use clusterip_agent::model::state::DesiredPort;
+use clusterip_agent::model::topology::Categorized;
+use clusterip_agent::model::{Endpoint, NamespacedName, Protocol};
+use clusterip_agent::netns::Executor;
+use clusterip_agent::nftables::render::RenderOptions;
+use clusterip_agent::nftables::NftablesProxier;
+use clusterip_agent::proxier::{Proxier, SyncBatch};
+use common::{ns_sh, Netns};
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("ip")
+}
+
+fn eps(prefix: &str, n: usize) -> Vec<Endpoint> {
+    (0..n).map(|i| Endpoint::ready(ip(&format!("{prefix}{}", 10 + i)), 8080)).collect()
+}
+
+/// A Service `name` with one port of `proto`, dual-stack, `n` endpoints per family.
+fn service(name: &str, idx: u32, proto: Protocol, n: usize, tweak: impl Fn(&mut ServicePort)) -> (NamespacedName, Vec<DesiredPort>) {
+    let mut sp = ServicePort::cluster_ip("ns", name, "p", proto, ip(&format!("198.19.{}.{}", idx / 250, idx % 250 + 1)), 80);
+    sp.cluster_ips.push(ip(&format!("fd00:10:96::{:x}", idx + 1)));
+    tweak(&mut sp);
+    let v4 = eps("198.18.2.", n);
+    let v6 = eps("fd00:2::", n);
+    let mk = |cluster: Vec<Endpoint>| {
+        let has_any = !cluster.is_empty();
+        let local = if sp.uses_local_endpoints() { cluster.iter().take(1).cloned().collect() } else { vec![] };
+        Categorized { cluster: if sp.uses_cluster_endpoints() { cluster } else { vec![] }, local, has_any }
+    };
+    let d = DesiredPort { v4: mk(v4), v6: mk(v6), port: sp.clone() };
+    (NamespacedName::new("ns", name), vec![d])
+}
+
+fn sync_ok(p: &mut NftablesProxier, batch: SyncBatch) -> clusterip_agent::proxier::SyncReport {
+    let r = p.sync(&batch).unwrap_or_else(|e| panic!("sync failed: {e}"));
+    let diffs = p.verify().expect("verify");
+    assert!(diffs.is_empty(), "kernel differs from the mirror: {diffs:?}");
+    r
+}
+
+#[test]
+fn every_kind_of_change_applies_and_matches_the_mirror() {
+    let ns = Netns::new("cipa");
+    let exec = Executor::in_netns(&ns.name).expect("netns");
+    let mut p = NftablesProxier::new(exec, RenderOptions::default(), 50_000);
+    let all = |n: usize| {
+        vec![
+            service("plain", 1, Protocol::Tcp, n, |_| {}),
+            service("udp", 2, Protocol::Udp, n, |_| {}),
+            service("sctp", 3, Protocol::Sctp, n, |_| {}),
+            service("sticky", 4, Protocol::Tcp, n, |s| s.affinity_timeout = Some(60)),
+            service("np", 5, Protocol::Tcp, n, |s| {
+                s.node_port = Some(30005);
+                s.external_ips = vec![ip("198.18.9.9"), ip("fd00:9::9")];
+            }),
+            service("lb", 6, Protocol::Tcp, n, |s| {
+                s.node_port = Some(30006);
+                s.load_balancer_ips = vec![ip("198.18.8.8")];
+                s.load_balancer_source_ranges = vec!["198.18.5.0/24".parse().expect("net")];
+                s.external_policy_local = true;
+            }),
+            service("local", 7, Protocol::Tcp, n, |s| s.internal_policy_local = true),
+        ]
+    };
+    let r = sync_ok(&mut p, SyncBatch { full: true, services: all(3) });
+    assert_eq!(r.transactions, 1);
+    assert!(r.chains > 14 && r.elements > 20, "{r:?}");
+    // More endpoints (slot ranges grow), fewer, none, back again; then everything goes.
+    for n in [5, 2, 1, 0, 4] {
+        let r = sync_ok(&mut p, SyncBatch { full: false, services: all(n) });
+        assert!(r.operations > 0, "a change with n={n} sent nothing");
+    }
+    // Nothing changed: nothing sent.
+    let r = sync_ok(&mut p, SyncBatch { full: false, services: all(4) });
+    assert_eq!(r.operations, 0);
+    assert_eq!(r.transactions, 0);
+    // Affinity turned off, then the service deleted; the stale chains go at the next sync.
+    sync_ok(&mut p, SyncBatch { full: false, services: vec![service("sticky", 4, Protocol::Tcp, 4, |_| {})] });
+    let r = sync_ok(&mut p, SyncBatch { full: true, services: vec![service("plain", 1, Protocol::Tcp, 2, |_| {})] });
+    assert!(r.operations > 0);
+    let listing = ns_sh(&ns.name, &["nft", "list", "table", "ip", "clusterip"]);
+    assert!(!listing.contains("set aff-"), "affinity sets are deleted at once:\n{listing}");
+    assert!(listing.contains("chain svc-ns/np/tcp/p {\n\t}"), "removed chains are flushed first:\n{listing}");
+    sync_ok(&mut p, SyncBatch { full: false, services: vec![service("plain", 1, Protocol::Tcp, 3, |_| {})] });
+    let listing = ns_sh(&ns.name, &["nft", "list", "table", "ip", "clusterip"]);
+    assert!(!listing.contains("chain svc-ns/np"), "stale chains deleted:\n{listing}");
+}
+
+#[test]
+fn huge_first_sync_is_split_into_bounded_transactions() {
+    let ns = Netns::new("cipa");
+    let exec = Executor::in_netns(&ns.name).expect("netns");
+    let mut p = NftablesProxier::new(exec, RenderOptions::default(), 200);
+    let services: Vec<_> = (0..60).map(|i| service(&format!("s{i}"), 10 + i, Protocol::Tcp, 5, |_| {})).collect();
+    let r = sync_ok(&mut p, SyncBatch { full: true, services });
+    assert!(r.transactions >= 4 && r.transactions <= r.operations / 200 + 1, "{r:?}");
+    let listing = ns_sh(&ns.name, &["nft", "list", "table", "ip", "clusterip"]);
+    assert_eq!(listing.matches("chain svc-ns/s").count(), 60);
+}
+
+#[test]
+fn drift_is_detected_and_rebuilt() {
+    let ns = Netns::new("cipa");
+    let exec = Executor::in_netns(&ns.name).expect("netns");
+    let mut p = NftablesProxier::new(exec, RenderOptions::default(), 50_000);
+    let services = vec![service("a", 1, Protocol::Tcp, 3, |_| {})];
+    sync_ok(&mut p, SyncBatch { full: true, services: services.clone() });
+    ns_sh(&ns.name, &["nft", "delete", "element", "ip", "clusterip", "service-ips", "{ 198.19.0.2 . tcp . 80 }"]);
+    let diffs = p.verify().expect("verify");
+    assert_eq!(diffs, vec!["map/set service-ips has 0 elements, expected 1".to_string()]);
+    sync_ok(&mut p, SyncBatch { full: true, services: services.clone() });
+    ns_sh(&ns.name, &["nft", "delete", "table", "ip6", "clusterip"]);
+    assert!(!p.verify().expect("verify").is_empty());
+    sync_ok(&mut p, SyncBatch { full: true, services });
+    p.cleanup().expect("cleanup");
+    assert_eq!(ns_sh(&ns.name, &["nft", "list", "ruleset"]), "");
+}

@@ -1,0 +1,254 @@
+//! The agent in nftables mode, fed by the dev kube-apiserver, programming a node network
+//! namespace; traffic from a client namespace to backend namespaces (see `common`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(2);
+const SYNC: Duration = Duration::from_secs(20);
+
+struct Setup {
+    kns: KubeNs,
+    agent: Agent,
+    topo: Topology,
+}
+
+fn setup(backends: usize, extra: &[&str]) -> Setup {
+    let rt = runtime();
+    let kns = KubeNs::new(rt);
+    let topo = Topology::new(backends);
+    let proxy = unique("p");
+    let agent = Agent::start(&topo.node.name, &KubeNs::kubeconfig(), &proxy, extra);
+    Setup { kns, agent, topo }
+}
+
+fn counts(topo: &Topology, addr: std::net::SocketAddr, n: usize) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for _ in 0..n {
+        let who = topo.tcp_get(addr, T).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+        *m.entry(who).or_insert(0) += 1;
+    }
+    m
+}
+
+/// Wait until a TCP request to `addr` is answered.
+fn wait_reachable(topo: &Topology, addr: std::net::SocketAddr) -> String {
+    wait_for(&format!("{addr} to answer"), SYNC, || topo.tcp_get(addr, Duration::from_millis(500)).ok())
+}
+
+#[test]
+fn vip_reaches_only_ready_endpoints_and_follows_changes() {
+    let s = setup(4, &[]);
+    let svc = s.kns.service(&s.agent.proxy_name, "web", json!({"ports": [{"name": "http", "port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    let mut eps: Vec<Ep> = (0..4).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
+    eps[3].ready = Some(false);
+    eps[3].serving = Some(false);
+    s.kns.slice("web", "web-1", "IPv4", "http", "TCP", TCP_PORT, &eps);
+    let addr = sa(&vip, 80);
+    wait_reachable(&s.topo, addr);
+
+    let c = counts(&s.topo, addr, 90);
+    assert!(!c.contains_key("b3"), "not-ready endpoint got traffic: {c:?}");
+    for b in ["b0", "b1", "b2"] {
+        // Binomial(90, 1/3): mean 30, P(< 10) is about 1e-6.
+        assert!(c.get(b).copied().unwrap_or(0) >= 10, "{b} got too little of the traffic: {c:?}");
+    }
+
+    // b1 turns not-ready, b2 is removed: after the next sync they get no new connections.
+    eps[1].ready = Some(false);
+    eps.remove(2);
+    s.kns.slice("web", "web-1", "IPv4", "http", "TCP", TCP_PORT, &eps);
+    let b1 = Topology::backend_ip(1);
+    let b2 = Topology::backend_ip(2);
+    wait_for("rules without b1 and b2", SYNC, || {
+        let t = s.topo.nft_table("ip");
+        (!t.contains(&b1) && !t.contains(&b2)).then_some(())
+    });
+    let c = counts(&s.topo, addr, 30);
+    assert_eq!(c.keys().cloned().collect::<Vec<_>>(), vec!["b0".to_string()], "only b0 is ready now: {c:?}");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn service_without_endpoints_is_rejected_not_blackholed() {
+    let s = setup(1, &[]);
+    let svc = s.kns.service(&s.agent.proxy_name, "empty", json!({"ports": [{"port": 81, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    s.kns.slice("empty", "empty-1", "IPv4", "", "TCP", TCP_PORT, &[]);
+    wait_for("the no-endpoint entry", SYNC, || s.topo.nft_table("ip").contains(&format!("{vip} . tcp . 81 : goto reject-chain")).then_some(()));
+    let start = Instant::now();
+    let err = s.topo.tcp_get(sa(&vip, 81), Duration::from_secs(5)).expect_err("must not connect");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+    assert!(start.elapsed() < Duration::from_secs(2), "rejected quickly, not a timeout");
+
+    // An endpoint appears: the same VIP answers.
+    s.kns.slice("empty", "empty-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    assert_eq!(wait_reachable(&s.topo, sa(&vip, 81)), "b0");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn ipv6_vip_works() {
+    let s = setup(2, &[]);
+    let svc = s.kns.service(
+        &s.agent.proxy_name,
+        "web6",
+        json!({"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"], "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
+    );
+    let vip = cluster_ip(&svc, true);
+    let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip6(i))).collect();
+    s.kns.slice("web6", "web6-1", "IPv6", "", "TCP", TCP_PORT, &eps);
+    let addr = sa(&vip, 80);
+    wait_reachable(&s.topo, addr);
+    let c = counts(&s.topo, addr, 40);
+    assert!(c.keys().all(|k| k == "b0" || k == "b1"), "{c:?}");
+    assert_eq!(c.len(), 2, "both IPv6 endpoints used: {c:?}");
+    assert!(s.topo.nft_table("ip6").contains("table ip6 clusterip"));
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn node_port_reaches_the_service() {
+    let s = setup(2, &[]);
+    let svc = s.kns.service(&s.agent.proxy_name, "np", json!({"type": "NodePort", "ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let node_port = svc.spec.as_ref().and_then(|s| s.ports.as_ref()).and_then(|p| p[0].node_port).expect("nodePort allocated");
+    let node_port = u16::try_from(node_port).expect("port");
+    let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
+    s.kns.slice("np", "np-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    let who = wait_reachable(&s.topo, sa(Topology::NODE_IP, node_port));
+    assert!(who == "b0" || who == "b1", "{who}");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn local_policy_without_local_endpoint_drops() {
+    let s = setup(2, &[]);
+    let svc = s.kns.service(
+        &s.agent.proxy_name,
+        "loc",
+        json!({"internalTrafficPolicy": "Local", "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
+    );
+    let vip = cluster_ip(&svc, false);
+    s.kns.slice("loc", "loc-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    wait_for("the drop entry", SYNC, || s.topo.nft_table("ip").contains(&format!("{vip} . tcp . 80 : drop")).then_some(()));
+    let start = Instant::now();
+    let err = s.topo.tcp_get(sa(&vip, 80), Duration::from_millis(1500)).expect_err("must be dropped");
+    assert!(
+        matches!(err.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock),
+        "dropped (timeout), not refused: {err:?}"
+    );
+    assert!(start.elapsed() >= Duration::from_millis(1400));
+
+    // A local endpoint appears: only it is used.
+    let mut local = Ep::ready(&Topology::backend_ip(1));
+    local.node = Some(s.agent.node_name.clone());
+    s.kns.slice("loc", "loc-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0)), local]);
+    wait_reachable(&s.topo, sa(&vip, 80));
+    let c = counts(&s.topo, sa(&vip, 80), 20);
+    assert_eq!(c.get("b1"), Some(&20), "{c:?}");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn terminating_endpoints_are_used_when_none_is_ready() {
+    let s = setup(2, &[]);
+    let svc = s.kns.service(&s.agent.proxy_name, "term", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    let mut term = Ep::ready(&Topology::backend_ip(0));
+    term.ready = Some(false);
+    term.terminating = Some(true);
+    let mut gone = Ep::ready(&Topology::backend_ip(1));
+    gone.ready = Some(false);
+    gone.serving = Some(false);
+    gone.terminating = Some(true);
+    s.kns.slice("term", "term-1", "IPv4", "", "TCP", TCP_PORT, &[term, gone]);
+    wait_reachable(&s.topo, sa(&vip, 80));
+    let c = counts(&s.topo, sa(&vip, 80), 20);
+    assert_eq!(c.get("b0"), Some(&20), "only the serving terminating endpoint: {c:?}");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn client_ip_affinity_sticks_then_expires() {
+    let s = setup(3, &[]);
+    let svc = s.kns.service(
+        &s.agent.proxy_name,
+        "sticky",
+        json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 2}},
+               "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
+    );
+    let vip = cluster_ip(&svc, false);
+    let eps: Vec<Ep> = (0..3).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
+    s.kns.slice("sticky", "sticky-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    let first = wait_reachable(&s.topo, sa(&vip, 80));
+    let c = counts(&s.topo, sa(&vip, 80), 30);
+    assert_eq!(c.get(&first), Some(&30), "all connections of one client on one endpoint: {c:?}");
+    // The affinity entry of the client exists, then expires after the timeout.
+    let has_client_entry = || s.topo.nft_table("ip").lines().any(|l| l.contains("elements = { 198.18.1.2"));
+    assert!(has_client_entry(), "affinity entry recorded:\n{}", s.topo.nft_table("ip"));
+    wait_for("the affinity entry to expire", Duration::from_secs(10), || (!has_client_entry()).then_some(()));
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn udp_conntrack_entries_of_removed_endpoints_are_flushed() {
+    let s = setup(2, &[]);
+    let svc = s.kns.service(&s.agent.proxy_name, "dns", json!({"ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": UDP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
+    s.kns.slice("dns", "dns-1", "IPv4", "dns", "UDP", UDP_PORT, &eps);
+    let addr = sa(&vip, 53);
+    let src_port = 40053;
+    let first = wait_for("a UDP answer", SYNC, || s.topo.udp_ask(addr, src_port, Duration::from_millis(300)).ok());
+    // Same 5-tuple: conntrack keeps it on the same backend.
+    for _ in 0..5 {
+        assert_eq!(s.topo.udp_ask(addr, src_port, T).expect("udp answer"), first);
+    }
+    // Remove that endpoint (its responder keeps running): the flow must move.
+    let keep: Vec<Ep> = eps.into_iter().filter(|e| !e.ip.ends_with(if first == "b0" { ".10" } else { ".11" })).collect();
+    assert_eq!(keep.len(), 1);
+    s.kns.slice("dns", "dns-1", "IPv4", "dns", "UDP", UDP_PORT, &keep);
+    let other = if first == "b0" { "b1" } else { "b0" };
+    wait_for("the UDP flow to move to the remaining endpoint", SYNC, || {
+        (s.topo.udp_ask(addr, src_port, Duration::from_millis(300)).ok()? == other).then_some(())
+    });
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn rules_changed_behind_our_back_are_repaired() {
+    let s = setup(1, &["--sync-period", "2s"]);
+    let svc = s.kns.service(&s.agent.proxy_name, "drift", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    s.kns.slice("drift", "drift-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    wait_reachable(&s.topo, sa(&vip, 80));
+    ns_sh(&s.topo.node.name, &["nft", "flush", "chain", "ip", "clusterip", "services"]);
+    assert!(s.topo.tcp_get(sa(&vip, 80), Duration::from_millis(500)).is_err(), "the flush broke the VIP");
+    assert_eq!(wait_reachable(&s.topo, sa(&vip, 80)), "b0", "repaired by the full resync");
+}
+
+#[test]
+fn cleanup_leaves_the_namespace_as_found() {
+    let mut s = setup(1, &[]);
+    let ns = s.topo.node.name.clone();
+    let before_nft = ns_sh(&ns, &["nft", "list", "ruleset"]);
+    let svc = s.kns.service(&s.agent.proxy_name, "c", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    s.kns.slice("c", "c-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    wait_reachable(&s.topo, sa(&vip, 80));
+    s.agent.assert_no_sync_failures();
+    s.agent.stop();
+    assert!(s.topo.nft_table("ip").contains("clusterip"), "rules stay after the agent stops");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip-agent"))
+        .args(["--cleanup", "--netns", &ns])
+        .output()
+        .expect("run --cleanup");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(ns_sh(&ns, &["nft", "list", "ruleset"]), before_nft);
+}

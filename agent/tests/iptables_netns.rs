@@ -1,0 +1,71 @@
+//! The agent in iptables mode (`--mode iptables`), fed by the dev kube-apiserver,
+//! programming a node network namespace.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+const SYNC: Duration = Duration::from_secs(20);
+
+#[test]
+fn iptables_mode_spreads_rejects_follows_changes_and_cleans_up() {
+    let rt = runtime();
+    let kns = KubeNs::new(rt);
+    let topo = Topology::new(3);
+    let ns = topo.node.name.clone();
+    let proxy = unique("i");
+    let mut agent = Agent::start(&ns, &KubeNs::kubeconfig(), &proxy, &["--mode", "iptables"]);
+
+    let svc = kns.service(&proxy, "web", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    let mut eps: Vec<Ep> = (0..3).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
+    kns.slice("web", "web-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    let empty = kns.service(&proxy, "empty", json!({"ports": [{"port": 81, "targetPort": TCP_PORT}]}));
+    let empty_vip = cluster_ip(&empty, false);
+    kns.slice("empty", "empty-1", "IPv4", "", "TCP", TCP_PORT, &[]);
+
+    let addr = sa(&vip, 80);
+    wait_for("the VIP to answer", SYNC, || topo.tcp_get(addr, Duration::from_millis(500)).ok());
+    let mut c: HashMap<String, usize> = HashMap::new();
+    for _ in 0..60 {
+        *c.entry(topo.tcp_get(addr, Duration::from_secs(2)).expect("connect")).or_insert(0) += 1;
+    }
+    for b in ["b0", "b1", "b2"] {
+        // Binomial(60, 1/3): mean 20; P(< 5) is about 1e-5.
+        assert!(c.get(b).copied().unwrap_or(0) >= 5, "{b}: {c:?}");
+    }
+    let save = ns_sh(&ns, &["iptables-save", "-t", "nat"]);
+    assert!(save.contains("--probability 0.3333333"), "{save}");
+
+    wait_for("the no-endpoint reject rule", SYNC, || {
+        ns_sh(&ns, &["iptables-save", "-t", "filter"]).contains(&format!("-d {empty_vip}/32")).then_some(())
+    });
+    let err = topo.tcp_get(sa(&empty_vip, 81), Duration::from_secs(3)).expect_err("rejected");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+
+    // b2 removed: no new connections to it after the next sync.
+    eps.truncate(2);
+    kns.slice("web", "web-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    let b2 = Topology::backend_ip(2);
+    wait_for("b2's rules to go", SYNC, || (!ns_sh(&ns, &["iptables-save", "-t", "nat"]).contains(&b2)).then_some(()));
+    for _ in 0..20 {
+        assert_ne!(topo.tcp_get(addr, Duration::from_secs(2)).expect("connect"), "b2");
+    }
+    agent.assert_no_sync_failures();
+    agent.stop();
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip-agent"))
+        .args(["--cleanup", "--netns", &ns])
+        .output()
+        .expect("run --cleanup");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for t in ["nat", "filter"] {
+        let save = ns_sh(&ns, &["iptables-save", "-t", t]);
+        assert!(!save.contains("KUBE-"), "{save}");
+        assert!(!save.lines().any(|l| l.starts_with("-A ")), "no rules left:\n{save}");
+    }
+}

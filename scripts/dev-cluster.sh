@@ -77,7 +77,7 @@ stop_component() {
 # Start a command detached from this shell, in its own session, logging to $state/<name>.log.
 spawn() {
   local name=$1; shift
-  setsid "$@" >"$state/$name.log" 2>&1 < /dev/null &
+  setsid "$@" >"$state/$name.log" 2>&1 < /dev/null 9>&- &
   echo $! > "$(pidfile "$name")"
 }
 
@@ -282,6 +282,10 @@ cmd_up() {
   kubectl_too_old && extra+=(kubectl)
   "$builder" etcd kube-apiserver "${extra[@]}"
   mkdir -p "$state"
+  # Clusters started side by side (parallel tests) pick ports one at a time: the lock is held
+  # from picking until every component has bound its ports and is ready.
+  exec 9>"${TMPDIR:-/tmp}/clusterip-dev-cluster.ports.lock"
+  flock 9
   ETCD_PORT=$(pick_port "${CLUSTERIP_ETCD_PORT:-23790}")
   ETCD_PEER_PORT=$(pick_port $((ETCD_PORT + 10)))
   ETCD_METRICS_PORT=$(pick_port $((ETCD_PEER_PORT + 10)))
@@ -317,6 +321,7 @@ EOF
     wait_ready "$c" 300
     log "$c ready"
   done
+  exec 9>&-
   trap - EXIT
   echo "export KUBECONFIG=$state/kubeconfig"
 }

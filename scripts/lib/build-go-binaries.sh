@@ -111,6 +111,7 @@ for what in "$@"; do
   case "$what" in
     kube-apiserver|kubectl|kube-proxy) build_k8s "$what" ;;
     etcd) build_etcd ;;
+    k8s-module) k8s_module ;;
     print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin" ;;
     *) echo "build-go-binaries: unknown binary '$what'" >&2; exit 2 ;;
   esac

@@ -3,6 +3,7 @@
 mod allocate;
 pub mod backend;
 mod controller;
+mod import;
 
 use clap::{Parser, Subcommand};
 
@@ -35,6 +36,10 @@ pub enum Command {
     /// (mutating) and rejects addresses we cannot honour with HTTP 422 (validating), plus
     /// /metrics, /healthz and /readyz.
     Controller(controller::ControllerArgs),
+    /// Migrate Kubernetes' legacy Service IP bitmap (a RangeAllocation, from a file or an
+    /// etcd key such as /registry/ranges/serviceips) into the etcd backend's allocation map.
+    /// A union: nothing already recorded is dropped; re-running is harmless.
+    ImportRangeallocation(import::ImportArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -60,6 +65,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Allocate(args) => allocate::allocate(args).await,
         Command::Release(args) => allocate::release(args).await,
         Command::Controller(args) => controller::run(args).await,
+        Command::ImportRangeallocation(args) => import::run(args).await,
     }
 }
 

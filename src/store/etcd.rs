@@ -280,6 +280,18 @@ impl EtcdStore {
         answer.await.map_err(|_| StoreError::Unavailable("etcd committer stopped".into()))?
     }
 
+    /// The raw value of any etcd key (for importing the kube-apiserver's legacy bitmap), or
+    /// None when the key does not exist.
+    pub async fn read_key(cfg: &EtcdConfig, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut client = connect(cfg).await?;
+        let resp = match tokio::time::timeout(cfg.request_timeout, client.get(key, None)).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
+            Err(_) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {:?}", cfg.request_timeout))),
+        };
+        Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
     /// Merge every address of `legacy` into the stored map of the same CIDR (a union:
     /// nothing stored is dropped). Returns how many addresses were newly recorded.
     pub async fn import(&self, legacy: &AllocationMap) -> Result<usize, StoreError> {

@@ -252,3 +252,58 @@ fn cleanup_leaves_the_namespace_as_found() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(ns_sh(&ns, &["nft", "list", "ruleset"]), before_nft);
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n")?.1.to_string();
+    Some((code, body))
+}
+
+#[test]
+fn healthz_livez_and_metrics() {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{DeleteParams, PostParams};
+    let (hp, mp) = (free_port(), free_port());
+    let (ha, ma) = (format!("127.0.0.1:{hp}"), format!("127.0.0.1:{mp}"));
+    let s = setup(1, &["--healthz-bind-address", &ha, "--metrics-bind-address", &ma]);
+    let svc = s.kns.service(&s.agent.proxy_name, "h", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    s.kns.slice("h", "h-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    wait_reachable(&s.topo, sa(&vip, 80));
+
+    let (code, body) = wait_for("/livez", SYNC, || http_get(hp, "/livez"));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"healthy\":true"), "{body}");
+    // No Node object for this node: not eligible for load-balancer traffic.
+    let (code, body) = http_get(hp, "/healthz").expect("/healthz");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"nodeEligible\":false"), "{body}");
+
+    let rt = s.kns.rt.clone();
+    let nodes: kube::Api<Node> = kube::Api::all(s.kns.client.clone());
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": s.agent.node_name}})).expect("node");
+    rt.block_on(nodes.create(&PostParams::default(), &node)).expect("create node");
+    let healthy = wait_for("/healthz 200 once the Node exists", SYNC, || http_get(hp, "/healthz").filter(|(c, _)| *c == 200));
+    rt.block_on(nodes.delete(&s.agent.node_name, &DeleteParams::default())).expect("delete node");
+    assert!(healthy.1.contains("\"nodeEligible\":true"), "{}", healthy.1);
+
+    let (code, metrics) = http_get(mp, "/metrics").expect("/metrics");
+    assert_eq!(code, 200);
+    assert!(metrics.contains("clusterip_agent_sync_full_proxy_rules_duration_seconds_count 1"), "{metrics}");
+    assert!(metrics.contains("clusterip_agent_sync_proxy_rules_failures_total 0"), "{metrics}");
+    let rules_line = metrics.lines().find(|l| l.starts_with("clusterip_agent_sync_proxy_rules_programmed{kind=\"chains\"}")).expect("rule count");
+    let chains: f64 = rules_line.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("value");
+    assert!(chains >= 15.0, "{rules_line}");
+    assert_eq!(http_get(mp, "/nope").map(|r| r.0), Some(404));
+    s.agent.assert_no_sync_failures();
+}

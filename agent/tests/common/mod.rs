@@ -279,8 +279,13 @@ impl Agent {
         cmd.args(["--netns", node_ns, "--node-name", &node_name, "--service-proxy-name", proxy_name])
             .arg("--kubeconfig")
             .arg(kubeconfig)
-            .args(["--min-sync-period", "100ms", "--healthz-bind-address", "", "--metrics-bind-address", ""])
-            .args(extra)
+            .args(["--min-sync-period", "100ms"]);
+        for flag in ["--healthz-bind-address", "--metrics-bind-address"] {
+            if !extra.contains(&flag) {
+                cmd.args([flag, ""]);
+            }
+        }
+        cmd.args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null());
@@ -334,7 +339,7 @@ impl Drop for Agent {
 pub struct KubeNs {
     pub name: String,
     pub client: kube::Client,
-    rt: Arc<tokio::runtime::Runtime>,
+    pub rt: Arc<tokio::runtime::Runtime>,
 }
 
 /// One endpoint to write into an EndpointSlice.

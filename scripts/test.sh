@@ -23,4 +23,4 @@ CLUSTERIP_CONTROLLER=0 scripts/dev-cluster.sh up >/dev/null
 export CLUSTERIP_TEST_CLUSTER=$CLUSTERIP_CLUSTER_DIR
 export CLUSTERIP_KUBECONFIG=$CLUSTERIP_CLUSTER_DIR/kubeconfig
 
-cargo test --workspace "$@"
+cargo test --workspace --no-fail-fast "$@"

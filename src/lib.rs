@@ -10,6 +10,7 @@ pub mod alloc;
 pub mod cidr;
 pub mod cli;
 pub mod controller;
+pub mod crds;
 pub mod metrics;
 pub mod store;
 pub mod telemetry;

@@ -240,6 +240,9 @@ async fn admission_cases(backend: &str) {
     let spec = svc.spec.clone().unwrap_or_default();
     assert_eq!(spec.ip_families, Some(vec!["IPv4".to_string()]));
     assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
+    // The address is recorded as the IPAddress named by it, with the Service as parentRef.
+    let out = cp.kubectl().args(["get", "ipaddresses", &got[0].to_string(), "-o", "jsonpath={.spec.parentRef.resource}/{.spec.parentRef.namespace}/{.spec.parentRef.name}"]).output().expect("kubectl");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("services/{}/dynamic", wh.namespace), "{}", String::from_utf8_lossy(&out.stderr));
 
     // Static: honoured (an address of our static band).
     let svc = api.create(&PostParams::default(), &service("static", |s| s.cluster_ip = Some("198.19.0.77".into()))).await.expect("static");
@@ -307,7 +310,8 @@ async fn admission_cases(backend: &str) {
 
 async fn concurrent_creates(backend: &str, n: usize) {
     let cp = control_plane();
-    let wh = Webhook::start(&cp, backend).await;
+    // Two replicas behind a round-robin proxy, as the Deployment runs them.
+    let wh = Webhook::start_replicas(&cp, backend, 2).await;
     let api = wh.services();
     let results = futures::future::join_all((0..n).map(|i| {
         let api = api.clone();
@@ -333,6 +337,16 @@ async fn etcd_backend_admission() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_500_concurrent_creates() {
     concurrent_creates("etcd", 500).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_admission() {
+    admission_cases("ipaddress").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_500_concurrent_creates() {
+    concurrent_creates("ipaddress", 500).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

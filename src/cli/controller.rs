@@ -18,7 +18,8 @@ use crate::webhook::admission::Admission;
 use crate::webhook::apiserver_ips::ApiserverIps;
 use crate::webhook::{server, tls};
 
-use super::backend::BackendArgs;
+use super::backend::{BackendArgs, BackendKind};
+use crate::store::reservations::LeaseReservations;
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
@@ -75,8 +76,7 @@ fn default_identity() -> String {
 pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let metrics = Arc::new(Metrics::new());
     let tls = tls::server_config(args.tls_cert_file.clone(), args.tls_private_key_file.clone()).map_err(anyhow::Error::msg)?;
-    let store = args.backend.open().await?;
-    let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
+    let identity = args.leader_elect_identity.clone().unwrap_or_else(default_identity);
 
     // What the cluster already records (the kube-apiserver's own allocations included):
     // never handed out, and recorded in our backend so the two agree.
@@ -86,6 +86,20 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         .await
         .context("the IPAddress list did not arrive within 60s: is the kube-apiserver reachable?")?
         .context("IPAddress watch stopped")?;
+    // Service addresses: with the etcd backend our allocation map is the reservation; with
+    // the ipaddress backend the apiserver's own IPAddress object is the record and a Lease
+    // per address stops two admissions from picking the same one (see docs/backends.md).
+    let store: Arc<dyn crate::store::AllocationStore> = match args.backend.backend {
+        BackendKind::Etcd => args.backend.open().await?,
+        BackendKind::Ipaddress => {
+            let ranges = args.backend.ranges()?;
+            if ranges.is_empty() {
+                anyhow::bail!("the controller needs --service-cidr: the ranges it assigns Service addresses from");
+            }
+            LeaseReservations::open(client.clone(), &args.leader_elect_namespace, ranges, recorded.clone(), identity.clone()).await?
+        }
+    };
+    let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
     let mut seeded = 0;
     if store.backend() == "etcd" {
         // (The ipaddress backend already counts every IPAddress object as allocated.)
@@ -110,7 +124,6 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     info!(backend = ?args.backend.backend, ranges = %ranges.join(","), "clusterip controller started");
 
     let web = tokio::spawn(server::serve(webhook, tls, admission, metrics.clone()));
-    let identity = args.leader_elect_identity.clone().unwrap_or_else(default_identity);
     let events = ServiceEvents::new(client.clone(), Some(identity.clone()));
     let reconcilers = {
         let (client, store, metrics) = (client.clone(), store.clone(), metrics.clone());

@@ -40,6 +40,9 @@ pub enum Command {
     /// etcd key such as /registry/ranges/serviceips) into the etcd backend's allocation map.
     /// A union: nothing already recorded is dropped; re-running is harmless.
     ImportRangeallocation(import::ImportArgs),
+    /// Print the CustomResourceDefinitions the project ships (IPAddress and ServiceCIDR in
+    /// networking.k8s.io/v1, for clusters older than 1.33 that do not serve them) as YAML.
+    Crds,
 }
 
 #[derive(Debug, clap::Args)]
@@ -66,6 +69,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Release(args) => allocate::release(args).await,
         Command::Controller(args) => controller::run(args).await,
         Command::ImportRangeallocation(args) => import::run(args).await,
+        Command::Crds => {
+            print!("{}", crate::crds::yaml()?);
+            Ok(0)
+        }
     }
 }
 

@@ -71,7 +71,7 @@ impl Default for IpAddressConfig {
                 namespace: None,
                 name: "unassigned".into(),
             },
-            sync_timeout: Duration::from_secs(30),
+            sync_timeout: Duration::from_secs(120),
         }
     }
 }

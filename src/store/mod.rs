@@ -15,6 +15,7 @@ pub mod ipaddress;
 pub mod legacy;
 pub mod metered;
 mod ranges;
+pub mod reservations;
 
 use std::net::IpAddr;
 

@@ -96,7 +96,7 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(mut cmd: Command) -> Proc {
+    fn spawn(mut cmd: Command, log: Option<std::path::PathBuf>) -> Proc {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
         let (tx, rx) = mpsc::channel();
@@ -105,8 +105,13 @@ impl Proc {
             .flatten()
         {
             let tx = tx.clone();
+            let mut log = log.as_ref().and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok());
             std::thread::spawn(move || {
                 for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    if let Some(f) = log.as_mut() {
+                        use std::io::Write;
+                        let _ = writeln!(f, "{line}");
+                    }
                     if tx.send(line).is_err() {
                         break;
                     }
@@ -306,7 +311,7 @@ fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: us
         .args(["--healthz-bind-address", "", "--metrics-bind-address", "", "--sync-period", "1h", "--min-sync-period", "1s"])
         .env("NO_COLOR", "1")
         .env("RUST_LOG", "info");
-    let mut p = Proc::spawn(cmd);
+    let mut p = Proc::spawn(cmd, Some(std::env::temp_dir().join(format!("clusterip-bench-ours-{n}.log"))));
     let mut m = Measure::default();
     let services = n + 1; // + default/kubernetes
     m.full_s = p.wait_line(o.timeout, |l| {
@@ -349,8 +354,8 @@ fn run_kube_proxy(o: &Opts, kp: &str, rt: &tokio::runtime::Runtime, client: &kub
     cmd.args(["netns", "exec", &ns.0, kp, "--proxy-mode=nftables", "--hostname-override=bench-node", "--v=2"])
         .arg(format!("--kubeconfig={}", kc_path.display()))
         .args(["--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0"])
-        .args(["--healthz-bind-address=127.0.0.1:10256", "--metrics-bind-address=127.0.0.1:10249", "--min-sync-period=1s"]);
-    let mut p = Proc::spawn(cmd);
+        .args(["--healthz-bind-address=127.0.0.1:10256", "--metrics-bind-address=127.0.0.1:10249"]);
+    let mut p = Proc::spawn(cmd, Some(std::env::temp_dir().join(format!("clusterip-bench-kube-proxy-{n}.log"))));
     let mut m = Measure::default();
     let complete = |l: &str| -> Option<f64> {
         if l.contains("SyncProxyRules complete") && l.contains("ipFamily=\"IPv4\"") {

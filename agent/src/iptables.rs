@@ -47,6 +47,9 @@ fn base32(bytes: &[u8]) -> String {
             bits -= 5;
         }
     }
+    if bits > 0 {
+        out.push(ALPHABET[((buf << (5 - bits)) & 31) as usize] as char);
+    }
     out
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use super::render::{render_port, skeleton_rules, Fragment, RenderOptions, BASE_CHAINS, SHARED_SETS, SKELETON_CHAINS};
+use super::render::{render_port, skeleton_rules, Fragment, RenderOptions, SetName, BASE_CHAINS, SHARED_SETS, SKELETON_CHAINS};
 use super::slots::{SlotAllocator, SlotsExhausted};
 use super::transaction::Transaction;
 use crate::model::state::DesiredPort;
@@ -27,9 +27,11 @@ pub struct FamilyMirror {
     fragments: HashMap<ServicePortName, Entry>,
     by_service: HashMap<NamespacedName, Vec<ServicePortName>>,
     next_id: u32,
-    elements: HashMap<(&'static str, String), Owners>,
+    elements: HashMap<(SetName, String), Owners>,
     stale_chains: BTreeSet<String>,
     slots: SlotAllocator,
+    /// Shard maps created so far (never deleted: there are few of them).
+    shard_maps: BTreeSet<SetName>,
 }
 
 impl FamilyMirror {
@@ -42,6 +44,7 @@ impl FamilyMirror {
             elements: HashMap::new(),
             stale_chains: BTreeSet::new(),
             slots: SlotAllocator::default(),
+            shard_maps: BTreeSet::new(),
         }
     }
 
@@ -102,7 +105,7 @@ impl FamilyMirror {
         Ok(())
     }
 
-    fn effective(&self, key: &(&'static str, String)) -> Option<Option<String>> {
+    fn effective(&self, key: &(SetName, String)) -> Option<Option<String>> {
         self.elements.get(key).and_then(|o| o.first()).map(|(_, v)| v.clone())
     }
 
@@ -120,6 +123,13 @@ impl FamilyMirror {
                 self.fragments.insert(name.clone(), Entry { id, frag: new });
             }
             return;
+        }
+        for e in &new.elements {
+            if let Some(body) = e.set.shard_definition(fam) {
+                if self.shard_maps.insert(e.set) {
+                    tx.add_map(fam, e.set, &body);
+                }
+            }
         }
         for (set, body) in &new.sets {
             if old.sets.get(set) != Some(body) {
@@ -146,7 +156,7 @@ impl FamilyMirror {
             self.stale_chains.insert(chain.clone());
         }
         // Shared elements, through their owners.
-        let touched: BTreeSet<(&'static str, String)> =
+        let touched: BTreeSet<(SetName, String)> =
             old.elements.iter().chain(&new.elements).map(|e| (e.set, e.key.clone())).collect();
         let before: Vec<Option<Option<String>>> = touched.iter().map(|k| self.effective(k)).collect();
         for e in &old.elements {
@@ -234,12 +244,15 @@ impl FamilyMirror {
         for c in chains.keys().filter(|c| !want.contains_key(c.as_str())) {
             diffs.push(format!("unexpected chain {c}"));
         }
-        let mut want_elems: HashMap<&str, usize> = SHARED_SETS.iter().map(|s| (*s, 0)).collect();
+        let mut want_elems: HashMap<String, usize> = SHARED_SETS.iter().map(|s| (s.to_string(), 0)).collect();
+        for m in &self.shard_maps {
+            want_elems.insert(m.to_string(), 0);
+        }
         for (set, _) in self.elements.keys() {
-            *want_elems.entry(set).or_insert(0) += 1;
+            *want_elems.entry(set.to_string()).or_insert(0) += 1;
         }
         for (s, n) in &want_elems {
-            match sets.get(*s) {
+            match sets.get(s) {
                 None => diffs.push(format!("map/set {s} missing")),
                 Some(have) if have != n => diffs.push(format!("map/set {s} has {have} elements, expected {n}")),
                 _ => {}
@@ -271,7 +284,10 @@ mod tests {
 
     fn desired(name: &str, vip: &str, eps: &[&str]) -> DesiredPort {
         let sp = ServicePort::cluster_ip("ns", name, "", Protocol::Tcp, ip(vip), 80);
-        let cluster: Vec<Endpoint> = eps.iter().map(|e| Endpoint::ready(ip(e), 8080)).collect();
+        let cluster: Vec<Endpoint> = eps
+            .iter()
+            .map(|e| Endpoint { is_local: true, ..Endpoint::ready(ip(e), 8080) })
+            .collect();
         let has_any = !cluster.is_empty();
         DesiredPort { port: sp, v4: Categorized { cluster, local: vec![], has_any }, v6: Categorized::default() }
     }
@@ -297,10 +313,10 @@ mod tests {
         sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.2", "198.18.2.3"])]);
         let t = sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.3"])]);
         assert!(t.contains("flush chain ip clusterip svc-ns/a/tcp/80"));
-        assert!(t.contains("add rule ip clusterip svc-ns/a/tcp/80 meta l4proto tcp dnat to numgen random mod 2 offset 0 map @endpoint-dnat-tcp"));
+        assert!(t.contains("add rule ip clusterip svc-ns/a/tcp/80 meta l4proto tcp dnat to numgen random mod 2 offset 0 map @endpoint-dnat-tcp-0"));
         // Slot 1 now points at .3, slot 2 is gone, the hairpin of .2 is gone.
-        assert!(t.contains("delete element ip clusterip endpoint-dnat-tcp { 1, 2 }"), "{t}");
-        assert!(t.contains("add element ip clusterip endpoint-dnat-tcp { 1 : 198.18.2.3 . 8080 }"), "{t}");
+        assert!(t.contains("delete element ip clusterip endpoint-dnat-tcp-0 { 1, 2 }"), "{t}");
+        assert!(t.contains("add element ip clusterip endpoint-dnat-tcp-0 { 1 : 198.18.2.3 . 8080 }"), "{t}");
         assert!(t.contains("delete element ip clusterip hairpin { 198.18.2.2 . 198.18.2.2 }"), "{t}");
         assert!(!t.contains("service-ips"), "the VIP element is unchanged: {t}");
     }

@@ -48,8 +48,13 @@ impl NftablesProxier {
 
     fn apply(&self, tx: &Transaction) -> Result<(), ExecError> {
         let text = tx.text();
-        tracing::trace!(bytes = text.len(), ops = tx.ops(), "nft transaction");
-        self.exec.run("nft", &["-f", "-"], Some(text.as_bytes())).map(|_| ())
+        let start = std::time::Instant::now();
+        let r = self.exec.run("nft", &["-f", "-"], Some(text.as_bytes())).map(|_| ());
+        tracing::debug!(bytes = text.len(), ops = tx.ops(), nft_ms = start.elapsed().as_millis() as u64, "nft transaction");
+        if let Ok(path) = std::env::var("CLUSTERIP_AGENT_DUMP_NFT") {
+            let _ = std::fs::write(path, &text);
+        }
+        r
     }
 
     fn report(&self, transactions: usize, operations: usize) -> SyncReport {

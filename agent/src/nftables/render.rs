@@ -22,34 +22,43 @@ pub const SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 pub const FIREWALL_IPS: &str = "firewall-ips";
-pub const ENDPOINT_DNAT_TCP: &str = "endpoint-dnat-tcp";
-pub const ENDPOINT_DNAT_UDP: &str = "endpoint-dnat-udp";
-pub const ENDPOINT_DNAT_SCTP: &str = "endpoint-dnat-sctp";
-pub const ENDPOINT_CHAINS: &str = "endpoint-chains";
 pub const HAIRPIN: &str = "hairpin";
 
-/// All table-wide maps and sets, in a fixed order.
-pub const SHARED_SETS: [&str; 10] = [
-    SERVICE_IPS,
-    SERVICE_NODEPORTS,
-    NO_ENDPOINT_SERVICES,
-    NO_ENDPOINT_NODEPORTS,
-    FIREWALL_IPS,
-    ENDPOINT_DNAT_TCP,
-    ENDPOINT_DNAT_UDP,
-    ENDPOINT_DNAT_SCTP,
-    ENDPOINT_CHAINS,
-    HAIRPIN,
-];
+/// All table-wide maps and sets of the skeleton, in a fixed order.
+pub const SHARED_SETS: [&str; 6] = [SERVICE_IPS, SERVICE_NODEPORTS, NO_ENDPOINT_SERVICES, NO_ENDPOINT_NODEPORTS, FIREWALL_IPS, HAIRPIN];
 
-/// The shared DNAT map of a protocol. One per protocol: nft (1.0.6 at least) rejects a
-/// rule using a `typeof … th dport` map read back from the kernel ("conflicting
-/// protocols"), so the map data is typed with the protocol's own port field.
-pub fn endpoint_dnat(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => ENDPOINT_DNAT_TCP,
-        Protocol::Udp => ENDPOINT_DNAT_UDP,
-        Protocol::Sctp => ENDPOINT_DNAT_SCTP,
+/// A map or set holding elements: a skeleton one, or a shard of the endpoint maps
+/// (see [`super::slots`]), created on first use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SetName {
+    Named(&'static str),
+    /// `endpoint-dnat-<proto>-<shard>`: slot → endpoint address . port. One per protocol:
+    /// nft (1.0.6 at least) rejects a rule using a `typeof … th dport` map read back from the
+    /// kernel ("conflicting protocols"), so the data is typed with the protocol's port field.
+    EndpointDnat(Protocol, u32),
+    /// `endpoint-chains-<shard>`: slot → `goto` endpoint chain (ClientIP affinity).
+    EndpointChains(u32),
+}
+
+impl std::fmt::Display for SetName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SetName::Named(n) => f.write_str(n),
+            SetName::EndpointDnat(p, k) => write!(f, "endpoint-dnat-{p}-{k}"),
+            SetName::EndpointChains(k) => write!(f, "endpoint-chains-{k}"),
+        }
+    }
+}
+
+impl SetName {
+    /// The definition body of a shard map (None for skeleton sets).
+    pub fn shard_definition(self, family: IpFamily) -> Option<String> {
+        let ip = Family(family).nft();
+        match self {
+            SetName::Named(_) => None,
+            SetName::EndpointDnat(p, _) => Some(format!("typeof numgen random mod 1 : {ip} daddr . {} dport;", p.keyword())),
+            SetName::EndpointChains(_) => Some("typeof numgen random mod 1 : verdict;".to_string()),
+        }
     }
 }
 
@@ -122,11 +131,6 @@ pub fn skeleton(family: IpFamily) -> Vec<String> {
     v.push(format!("add map {t} {NO_ENDPOINT_SERVICES} {{ type {at} . inet_proto . inet_service : verdict; }}"));
     v.push(format!("add map {t} {NO_ENDPOINT_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}"));
     v.push(format!("add map {t} {FIREWALL_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}"));
-    for p in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
-        let (map, kw) = (endpoint_dnat(p), p.keyword());
-        v.push(format!("add map {t} {map} {{ typeof numgen random mod 1 : {ip} daddr . {kw} dport; }}"));
-    }
-    v.push(format!("add map {t} {ENDPOINT_CHAINS} {{ typeof numgen random mod 1 : verdict; }}"));
     v.push(format!("add set {t} {HAIRPIN} {{ type {at} . {at}; }}"));
     for (chain, rule) in skeleton_rules(family) {
         v.push(format!("add rule {t} {chain} {rule}"));
@@ -182,7 +186,7 @@ pub fn skeleton_rules(family: IpFamily) -> Vec<(&'static str, String)> {
 /// An element of a table-wide map or set.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Element {
-    pub set: &'static str,
+    pub set: SetName,
     pub key: String,
     /// Map value; None for a set element.
     pub value: Option<String>,
@@ -305,25 +309,28 @@ pub fn render_port(
             } else {
                 let r = slot_range(chain, n, prev, slots)?;
                 frag.slots.insert(chain.clone(), r);
-                rules.push(format!("numgen random mod {n} offset {} vmap @{ENDPOINT_CHAINS}", r.base));
+                let map = SetName::EndpointChains(r.shard);
+                rules.push(format!("numgen random mod {n} offset {} vmap @{map}", r.base));
                 for (i, t) in targets.iter().enumerate() {
                     frag.elements.push(Element {
-                        set: ENDPOINT_CHAINS,
+                        set: map,
                         key: (r.base + i as u32).to_string(),
                         value: Some(format!("goto {t}")),
                     });
                 }
             }
         } else {
-            for ep in list {
-                frag.elements.push(Element { set: HAIRPIN, key: format!("{} . {}", ep.ip, ep.ip), value: None });
+            // Hairpin (a pod reaching itself through a VIP) can only start on the pod's own
+            // node, so only local endpoints need an entry.
+            for ep in list.iter().filter(|e| e.is_local) {
+                frag.elements.push(Element { set: SetName::Named(HAIRPIN), key: format!("{} . {}", ep.ip, ep.ip), value: None });
             }
             if n == 1 {
                 rules.push(format!("meta l4proto {proto} dnat to {}", f.target(&list[0].ip, list[0].port)));
             } else {
                 let r = slot_range(chain, n, prev, slots)?;
                 frag.slots.insert(chain.clone(), r);
-                let map = endpoint_dnat(sp.name.protocol);
+                let map = SetName::EndpointDnat(sp.name.protocol, r.shard);
                 rules.push(format!("meta l4proto {proto} dnat to numgen random mod {n} offset {} map @{map}", r.base));
                 for (i, ep) in list.iter().enumerate() {
                     frag.elements.push(Element {
@@ -343,8 +350,8 @@ pub fn render_port(
     for cip in &cluster_ips {
         let key = format!("{cip} . {proto} . {}", sp.port);
         match internal {
-            Some(chain) => frag.elements.push(Element { set: SERVICE_IPS, key, value: Some(format!("goto {chain}")) }),
-            None => frag.elements.push(Element { set: NO_ENDPOINT_SERVICES, key, value: Some(no_endpoint_verdict.clone()) }),
+            Some(chain) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: Some(format!("goto {chain}")) }),
+            None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: Some(no_endpoint_verdict.clone()) }),
         }
     }
 
@@ -367,15 +374,15 @@ pub fn render_port(
         for vip in &external_vips {
             let key = format!("{vip} . {proto} . {}", sp.port);
             match external_target {
-                Some(_) => frag.elements.push(Element { set: SERVICE_IPS, key, value: Some(format!("goto {ext_chain}")) }),
-                None => frag.elements.push(Element { set: NO_ENDPOINT_SERVICES, key, value: Some(no_endpoint_verdict.clone()) }),
+                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: Some(format!("goto {ext_chain}")) }),
+                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: Some(no_endpoint_verdict.clone()) }),
             }
         }
         if let Some(np) = sp.node_port {
             let key = format!("{proto} . {np}");
             match external_target {
-                Some(_) => frag.elements.push(Element { set: SERVICE_NODEPORTS, key, value: Some(format!("goto {ext_chain}")) }),
-                None => frag.elements.push(Element { set: NO_ENDPOINT_NODEPORTS, key, value: Some(no_endpoint_verdict.clone()) }),
+                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_NODEPORTS), key, value: Some(format!("goto {ext_chain}")) }),
+                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key, value: Some(no_endpoint_verdict.clone()) }),
             }
         }
         // loadBalancerSourceRanges apply to LB IPs only (not NodePorts, as in kube-proxy).
@@ -396,7 +403,7 @@ pub fn render_port(
                 frag.chains.insert(fw_chain.clone(), vec![rule]);
                 for lb in lb_ips {
                     frag.elements.push(Element {
-                        set: FIREWALL_IPS,
+                        set: SetName::Named(FIREWALL_IPS),
                         key: format!("{lb} . {proto} . {}", sp.port),
                         value: Some(format!("goto {fw_chain}")),
                     });
@@ -473,19 +480,22 @@ mod tests {
 
     #[test]
     fn cluster_ip_with_endpoints_uses_shared_dnat_map() {
-        let f = render(&desired(port(), eps(3), vec![], true));
+        let mut endpoints = eps(3);
+        endpoints[1].is_local = true;
+        let f = render(&desired(port(), endpoints, vec![], true));
         assert_eq!(
             f.chains.get("svc-ns/web/tcp/http").expect("chain"),
-            &vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat-tcp".to_string()]
+            &vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat-tcp-0".to_string()]
         );
-        let dnat: Vec<_> = f.elements.iter().filter(|e| e.set == ENDPOINT_DNAT_TCP).map(|e| (e.key.as_str(), e.value.as_deref())).collect();
+        let dnat: Vec<_> = f.elements.iter().filter(|e| e.set == SetName::EndpointDnat(Protocol::Tcp, 0)).map(|e| (e.key.as_str(), e.value.as_deref())).collect();
         assert_eq!(dnat, vec![("0", Some("198.18.2.1 . 8080")), ("1", Some("198.18.2.2 . 8080")), ("2", Some("198.18.2.3 . 8080"))]);
         assert!(f.elements.contains(&Element {
-            set: SERVICE_IPS,
+            set: SetName::Named(SERVICE_IPS),
             key: "198.19.0.10 . tcp . 80".into(),
             value: Some("goto svc-ns/web/tcp/http".into())
         }));
-        assert_eq!(f.elements.iter().filter(|e| e.set == HAIRPIN).count(), 3);
+        let hairpin: Vec<&str> = f.elements.iter().filter(|e| e.set == SetName::Named(HAIRPIN)).map(|e| e.key.as_str()).collect();
+        assert_eq!(hairpin, vec!["198.18.2.2 . 198.18.2.2"], "hairpin entries for local endpoints only");
         assert_eq!(f.chains.len(), 1, "no per-endpoint chains without affinity");
     }
 
@@ -502,7 +512,7 @@ mod tests {
         assert!(f.chains.is_empty());
         assert_eq!(
             f.elements,
-            vec![Element { set: NO_ENDPOINT_SERVICES, key: "198.19.0.10 . tcp . 80".into(), value: Some("goto reject-chain".into()) }]
+            vec![Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key: "198.19.0.10 . tcp . 80".into(), value: Some("goto reject-chain".into()) }]
         );
         let mut sp = port();
         sp.internal_policy_local = true;
@@ -517,7 +527,7 @@ mod tests {
         let f = render(&desired(sp, eps(2), vec![], true));
         let svc = &f.chains["svc-ns/web/tcp/http"];
         assert_eq!(svc[0], "ip saddr @aff-30-ns/web/tcp/http__198.18.2.1/8080 goto ep-ns/web/tcp/http__198.18.2.1/8080");
-        assert_eq!(svc[2], "numgen random mod 2 offset 0 vmap @endpoint-chains");
+        assert_eq!(svc[2], "numgen random mod 2 offset 0 vmap @endpoint-chains-0");
         let ep = &f.chains["ep-ns/web/tcp/http__198.18.2.2/8080"];
         assert_eq!(ep[1], "update @aff-30-ns/web/tcp/http__198.18.2.2/8080 { ip saddr }");
         assert_eq!(ep[2], "meta l4proto tcp dnat to 198.18.2.2:8080");
@@ -532,8 +542,8 @@ mod tests {
         sp.external_ips = vec![ip("198.18.9.9"), ip("fd00::9")];
         let f = render(&desired(sp, eps(2), vec![], true));
         assert_eq!(f.chains["ext-ns/web/tcp/http"], vec!["jump mark-for-masquerade".to_string(), "goto svc-ns/web/tcp/http".to_string()]);
-        assert!(f.elements.contains(&Element { set: SERVICE_NODEPORTS, key: "tcp . 30080".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
-        assert!(f.elements.contains(&Element { set: SERVICE_IPS, key: "198.18.9.9 . tcp . 80".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
+        assert!(f.elements.contains(&Element { set: SetName::Named(SERVICE_NODEPORTS), key: "tcp . 30080".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
+        assert!(f.elements.contains(&Element { set: SetName::Named(SERVICE_IPS), key: "198.18.9.9 . tcp . 80".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
         assert!(!f.elements.iter().any(|e| e.key.contains("fd00")), "other-family addresses are not in the ip table");
     }
 
@@ -549,8 +559,8 @@ mod tests {
         assert!(f.chains.contains_key("local-ns/web/tcp/http"));
         // No local endpoint: the NodePort drops (endpoints exist elsewhere), the ClusterIP still works.
         let f = render(&desired(sp, eps(2), vec![], true));
-        assert!(f.elements.contains(&Element { set: NO_ENDPOINT_NODEPORTS, key: "tcp . 30080".into(), value: Some("drop".into()) }));
-        assert!(f.elements.iter().any(|e| e.set == SERVICE_IPS && e.key.starts_with("198.19.0.10")));
+        assert!(f.elements.contains(&Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key: "tcp . 30080".into(), value: Some("drop".into()) }));
+        assert!(f.elements.iter().any(|e| e.set == SetName::Named(SERVICE_IPS) && e.key.starts_with("198.19.0.10")));
     }
 
     #[test]
@@ -560,7 +570,7 @@ mod tests {
         sp.load_balancer_source_ranges = vec!["198.18.5.0/24".parse().expect("net")];
         let f = render(&desired(sp, eps(1), vec![], true));
         assert_eq!(f.chains["fw-ns/web/tcp/http"], vec!["ip saddr != { 198.18.5.0/24 } drop".to_string()]);
-        assert!(f.elements.contains(&Element { set: FIREWALL_IPS, key: "198.18.8.8 . tcp . 80".into(), value: Some("goto fw-ns/web/tcp/http".into()) }));
+        assert!(f.elements.contains(&Element { set: SetName::Named(FIREWALL_IPS), key: "198.18.8.8 . tcp . 80".into(), value: Some("goto fw-ns/web/tcp/http".into()) }));
     }
 
     #[test]

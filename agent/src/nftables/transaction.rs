@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::render::{skeleton, Family, TABLE};
+use super::render::{skeleton, Family, SetName, TABLE};
 use crate::model::IpFamily;
 
 /// Elements per `add element` / `delete element` command.
@@ -13,9 +13,9 @@ const ELEMENTS_PER_COMMAND: usize = 1000;
 #[derive(Debug, Default)]
 struct FamilyTx {
     pre: String,
-    delete_elements: BTreeMap<&'static str, Vec<String>>,
+    delete_elements: BTreeMap<SetName, Vec<String>>,
     rules: String,
-    add_elements: BTreeMap<&'static str, Vec<String>>,
+    add_elements: BTreeMap<SetName, Vec<String>>,
     post: String,
 }
 
@@ -83,6 +83,13 @@ impl Transaction {
         self.ops += 1;
     }
 
+    /// Create a map (a shard of the endpoint maps).
+    pub fn add_map(&mut self, fam: IpFamily, name: SetName, body: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).pre, "add map {t} {name} {{ {body} }}");
+        self.ops += 1;
+    }
+
     pub fn add_set(&mut self, fam: IpFamily, name: &str, body: &str) {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "add set {t} {name} {{ {body} }}");
@@ -102,7 +109,7 @@ impl Transaction {
         self.ops += 1;
     }
 
-    pub fn add_element(&mut self, fam: IpFamily, set: &'static str, key: &str, value: Option<&str>) {
+    pub fn add_element(&mut self, fam: IpFamily, set: SetName, key: &str, value: Option<&str>) {
         let e = match value {
             Some(v) => format!("{key} : {v}"),
             None => key.to_string(),
@@ -111,7 +118,7 @@ impl Transaction {
         self.ops += 1;
     }
 
-    pub fn delete_element(&mut self, fam: IpFamily, set: &'static str, key: &str) {
+    pub fn delete_element(&mut self, fam: IpFamily, set: SetName, key: &str) {
         self.fam(fam).delete_elements.entry(set).or_default().push(key.to_string());
         self.ops += 1;
     }
@@ -146,10 +153,10 @@ mod tests {
     #[test]
     fn order_is_chains_deletes_rules_adds_sets() {
         let mut tx = Transaction::new();
-        tx.add_element(IpFamily::V4, "service-ips", "198.19.0.1 . tcp . 80", Some("goto svc-a"));
+        tx.add_element(IpFamily::V4, SetName::Named("service-ips"), "198.19.0.1 . tcp . 80", Some("goto svc-a"));
         tx.add_rule(IpFamily::V4, "svc-a", "meta l4proto tcp dnat to 198.18.2.1:80");
         tx.delete_set(IpFamily::V4, "aff-x");
-        tx.delete_element(IpFamily::V4, "service-ips", "198.19.0.2 . tcp . 80");
+        tx.delete_element(IpFamily::V4, SetName::Named("service-ips"), "198.19.0.2 . tcp . 80");
         tx.add_chain(IpFamily::V4, "svc-a");
         let text = tx.text();
         let pos = |needle: &str| text.find(needle).unwrap_or_else(|| panic!("{needle} missing from {text}"));
@@ -164,7 +171,7 @@ mod tests {
     fn elements_are_batched_per_command() {
         let mut tx = Transaction::new();
         for i in 0..2500 {
-            tx.add_element(IpFamily::V6, "hairpin", &format!("fd00::{i:x} . fd00::{i:x}"), None);
+            tx.add_element(IpFamily::V6, SetName::Named("hairpin"), &format!("fd00::{i:x} . fd00::{i:x}"), None);
         }
         let text = tx.text();
         assert_eq!(text.lines().filter(|l| l.starts_with("add element ip6 clusterip hairpin")).count(), 3);

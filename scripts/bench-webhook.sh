@@ -36,7 +36,7 @@ for _ in $(seq 1 100); do
   case "$ip" in 198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*) break ;; esac
   sleep 0.2
 done
-with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL")
+with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics")
 echo "# with clusterip webhook: $(echo "$with" | head -n 1)"
 get() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" <<<"$2" | head -n 1; }
 mp50=$(get webhook_mutate_p50_ms "$with"); mp99=$(get webhook_mutate_p99_ms "$with")

@@ -4,6 +4,7 @@
 //! - [`cidr`]: a service CIDR as an ordered set of usable addresses, with the static band.
 //! - [`alloc`]: the allocation map (pure, no I/O): static and dynamic allocation, release.
 //! - [`cli`]: the `clusterip` command line.
+//! - [`repair`]: the consistency pass between Services, allocation records and ranges.
 //! - [`telemetry`]: logging set-up shared by every binary.
 
 pub mod alloc;
@@ -12,6 +13,7 @@ pub mod cli;
 pub mod controller;
 pub mod crds;
 pub mod metrics;
+pub mod repair;
 pub mod store;
 pub mod telemetry;
 pub mod webhook;

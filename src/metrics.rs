@@ -11,6 +11,8 @@
 //! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_bad_requests_total` | counter | operation |
 //! | `clusterip_reconcile_errors_total` | counter | controller |
+//! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
+//! | `clusterip_repair_reconcile_errors_total` | counter | |
 
 use std::time::Duration;
 
@@ -45,6 +47,11 @@ pub struct OperationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RepairLabels {
+    pub r#type: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
     pub controller: &'static str,
 }
@@ -60,6 +67,8 @@ pub struct Metrics {
     pub webhook_duration: Family<WebhookLabels, Histogram>,
     pub webhook_bad_requests: Family<OperationLabels, Counter>,
     pub reconcile_errors: Family<ControllerLabels, Counter>,
+    pub repair_ip_errors: Family<RepairLabels, Counter>,
+    pub repair_reconcile_errors: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -85,6 +94,8 @@ impl Metrics {
             webhook_duration: Family::new_with_constructor(latency_histogram),
             webhook_bad_requests: Family::default(),
             reconcile_errors: Family::default(),
+            repair_ip_errors: Family::default(),
+            repair_reconcile_errors: Counter::default(),
         };
         let registry = &mut m.registry;
         let alloc = registry.sub_registry_with_prefix("allocator");
@@ -107,6 +118,13 @@ impl Metrics {
         );
         web.register("bad_requests", "AdmissionReview requests rejected as malformed (HTTP 400)", m.webhook_bad_requests.clone());
         registry.register("reconcile_errors", "Reconciliation failures, by controller", m.reconcile_errors.clone());
+        let repair = registry.sub_registry_with_prefix("repair");
+        repair.register(
+            "ip_errors",
+            "Number of errors detected on clusterips by the repair loop broken down by type of error: leak, repair, full, outOfRange, duplicate, unknown, invalid",
+            m.repair_ip_errors.clone(),
+        );
+        repair.register("reconcile_errors", "Number of reconciliation failures on the clusterip repair reconcile loop", m.repair_reconcile_errors.clone());
         m
     }
 

@@ -13,6 +13,7 @@ use crate::controller::events::ServiceEvents;
 use crate::controller::leader::{self, LeaseConfig};
 use crate::controller::{servicecidrs, services};
 use crate::metrics::Metrics;
+use crate::repair::{self, Repairer, Target};
 use crate::store::metered::MeteredStore;
 use crate::webhook::admission::Admission;
 use crate::webhook::apiserver_ips::ApiserverIps;
@@ -66,6 +67,16 @@ pub struct ControllerArgs {
     /// How often the leader renews the Lease (and others try to take it), e.g. 2s.
     #[arg(long, default_value = "2s", value_parser = crate::store::etcd::parse_duration)]
     pub leader_elect_retry_period: std::time::Duration,
+
+    /// How often the leader runs the repair pass (also once when it starts leading), e.g.
+    /// 3m; 0 turns the repair loop off.
+    #[arg(long, default_value = "3m", value_parser = crate::store::etcd::parse_duration)]
+    pub repair_interval: std::time::Duration,
+
+    /// (ipaddress backend) An IPAddress of ours whose Service does not exist is released by
+    /// the repair pass once older than this.
+    #[arg(long, default_value = "60s", value_parser = crate::store::etcd::parse_duration)]
+    pub repair_grace_period: std::time::Duration,
 }
 
 fn default_identity() -> String {
@@ -125,14 +136,37 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
 
     let web = tokio::spawn(server::serve(webhook, tls, admission, metrics.clone()));
     let events = ServiceEvents::new(client.clone(), Some(identity.clone()));
+    // The repair pass judges the etcd backend's maps, or IPAddress objects (ours changed,
+    // everyone's read) with the ipaddress backend.
+    let repair_target = match args.backend.backend {
+        BackendKind::Etcd => Target::Etcd(store.clone()),
+        BackendKind::Ipaddress => Target::IpAddress {
+            manager: args.backend.manager.clone(),
+            ranges: args.backend.ranges()?,
+            use_servicecidrs: args.backend.use_servicecidrs,
+        },
+    };
+    let (repair_interval, repair_grace) = (args.repair_interval, args.repair_grace_period);
     let reconcilers = {
-        let (client, store, metrics) = (client.clone(), store.clone(), metrics.clone());
+        let (client, store, metrics, identity) = (client.clone(), store.clone(), metrics.clone(), identity.clone());
         move || -> tokio::task::JoinHandle<()> {
             let store: Arc<dyn crate::store::AllocationStore> = store.clone();
             let cidr_ctx = Arc::new(servicecidrs::Context { client: client.clone(), store: store.clone(), metrics: metrics.clone() });
             let svc = services::run(client.clone(), store, events.clone(), metrics.clone());
+            let repair = (!repair_interval.is_zero()).then(|| {
+                let repairer = Repairer::new(client.clone(), repair_target.clone())
+                    .with_grace(repair_grace)
+                    .with_events(Some(identity.clone()))
+                    .with_metrics(metrics.clone());
+                repair::run_loop(repairer, repair_interval)
+            });
             tokio::spawn(async move {
-                tokio::join!(svc, servicecidrs::run(cidr_ctx));
+                let repair = async move {
+                    if let Some(r) = repair {
+                        r.await
+                    }
+                };
+                tokio::join!(svc, servicecidrs::run(cidr_ctx), repair);
             })
         }
     };

@@ -4,6 +4,7 @@ mod allocate;
 pub mod backend;
 mod controller;
 mod import;
+mod repair;
 
 use clap::{Parser, Subcommand};
 
@@ -40,6 +41,10 @@ pub enum Command {
     /// etcd key such as /registry/ranges/serviceips) into the etcd backend's allocation map.
     /// A union: nothing already recorded is dropped; re-running is harmless.
     ImportRangeallocation(import::ImportArgs),
+    /// Compare every Service with the allocation records and the ranges and report drift
+    /// (leaks, missing records, duplicates, out-of-range addresses, ...); --fix repairs it.
+    /// Exit code: 0 = consistent, 1 = drift found (or left), 2 = error.
+    Repair(repair::RepairArgs),
     /// Print the CustomResourceDefinitions the project ships (IPAddress and ServiceCIDR in
     /// networking.k8s.io/v1, for clusters older than 1.33 that do not serve them) as YAML.
     Crds,
@@ -69,6 +74,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Release(args) => allocate::release(args).await,
         Command::Controller(args) => controller::run(args).await,
         Command::ImportRangeallocation(args) => import::run(args).await,
+        Command::Repair(args) => repair::run(args).await,
         Command::Crds => {
             print!("{}", crate::crds::yaml()?);
             Ok(0)

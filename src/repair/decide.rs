@@ -1,0 +1,634 @@
+//! The repair pass's decisions: what is inconsistent between the Services, the allocation
+//! records and the configured ranges, and what to do about each finding. Pure: no I/O, no
+//! clock (ages are inputs), so every rule is unit-tested.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::cidr::{self, Family, ServiceCidr};
+use crate::store::ParentRef;
+
+/// A leaked allocation-map address is released on this consecutive detection (Kubernetes'
+/// `numRepairsBeforeLeakCleanup`).
+pub const LEAK_PASSES: u32 = 3;
+/// An orphaned IPAddress object younger than this is left alone (Kubernetes' repairip
+/// `gracePeriod`, the kube-apiserver's default request timeout).
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
+
+/// What a Service holds, as far as the pass cares.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceView {
+    pub namespace: String,
+    pub name: String,
+    pub uid: Option<String>,
+    /// creationTimestamp as seconds since the epoch (orders duplicates: the oldest keeps it).
+    pub created: Option<i64>,
+    /// `spec.clusterIPs` (or `spec.clusterIP`), "None" and empty removed, as written.
+    pub cluster_ips: Vec<String>,
+    /// Addresses our webhook assigned (the `clusterip.allocator/reserved` annotation).
+    pub assigned_by_us: Vec<String>,
+}
+
+impl ServiceView {
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One IPAddress object.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordView {
+    pub name: String,
+    pub uid: Option<String>,
+    pub resource_version: Option<String>,
+    pub managed_by: Option<String>,
+    pub family_label: Option<String>,
+    pub parent: Option<ParentRef>,
+    /// now − creationTimestamp; None when unknown (never released on age alone then).
+    pub age: Option<Duration>,
+}
+
+/// The backend's records.
+#[derive(Clone, Debug)]
+pub enum Records {
+    /// The etcd backend: the allocated addresses of the allocation maps (no owners).
+    Map(BTreeSet<IpAddr>),
+    /// IPAddress objects (every manager's).
+    Objects(Vec<RecordView>),
+}
+
+/// Whose records the pass judges and whether it may change anything.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// The etcd backend's allocation maps.
+    Etcd,
+    /// IPAddress objects; those labelled managed-by `manager` are ours and may be changed.
+    IpAddress { manager: String },
+    /// Read-only audit of the kube-apiserver's own allocator: IPAddress objects managed by
+    /// `manager` (ipallocator.k8s.io) against every Service, ranges from ServiceCIDRs.
+    Audit { manager: String },
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub ranges: Vec<ServiceCidr>,
+    /// The cluster's own ranges (its ServiceCIDR objects), when known. A Service address in
+    /// one of them but in none of `ranges` is another allocator's and not judged; an address
+    /// in none of either is out of range. Unknown (no ServiceCIDR API): addresses outside
+    /// `ranges` are judged only when our webhook assigned them (its annotation says so).
+    pub cluster_ranges: Option<Vec<ServiceCidr>>,
+    pub mode: Mode,
+    /// IPAddress leak grace (from creationTimestamp).
+    pub grace: Duration,
+    /// Release leaks found on this pass whatever their count or age (`--release-leaks-now`).
+    pub release_leaks_now: bool,
+}
+
+/// Per-address counts of consecutive passes that saw a leak (the etcd backend's 3-pass rule).
+#[derive(Clone, Debug, Default)]
+pub struct LeakCounts {
+    seen: HashMap<IpAddr, u32>,
+}
+
+impl LeakCounts {
+    pub fn get(&self, ip: IpAddr) -> u32 {
+        self.seen.get(&ip).copied().unwrap_or(0)
+    }
+    /// Forget an address (released, or seen owned).
+    pub fn forget(&mut self, ip: IpAddr) {
+        self.seen.remove(&ip);
+    }
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+}
+
+/// The kinds of drift.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    /// A record no live Service owns.
+    Leak,
+    /// A record whose parentRef names the wrong owner.
+    WrongReference,
+    /// A Service address with no record.
+    MissingRecord,
+    /// One address on two Services.
+    Duplicate,
+    /// A Service address outside every configured range of its family.
+    OutOfRange,
+    /// A Service address of a family no range is configured for.
+    FamilyNotConfigured,
+    /// A Service address (or IPAddress name) that is not a valid address.
+    Malformed,
+    /// A record with a wrong or missing ip-family / managed-by label.
+    WrongLabels,
+}
+
+impl Kind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Kind::Leak => "leak",
+            Kind::WrongReference => "wrong-reference",
+            Kind::MissingRecord => "missing-record",
+            Kind::Duplicate => "duplicate",
+            Kind::OutOfRange => "out-of-range",
+            Kind::FamilyNotConfigured => "family-not-configured",
+            Kind::Malformed => "malformed",
+            Kind::WrongLabels => "wrong-labels",
+        }
+    }
+
+    /// The `type` label of `clusterip_repair_ip_errors_total` (Kubernetes' label values).
+    pub fn metric_type(&self) -> &'static str {
+        match self {
+            Kind::Leak => "leak",
+            Kind::WrongReference | Kind::MissingRecord | Kind::WrongLabels => "repair",
+            Kind::Duplicate => "duplicate",
+            Kind::OutOfRange => "outOfRange",
+            Kind::FamilyNotConfigured | Kind::Malformed => "invalid",
+        }
+    }
+}
+
+/// What the pass does (or, dry-run, would do) about a finding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Delete the record now.
+    Release,
+    /// A leaked map address seen on `seen` consecutive passes; released on pass `of`.
+    ReleaseLater { seen: u32, of: u32 },
+    /// An orphaned IPAddress inside its grace period; released once older than `grace`.
+    ReleaseAfterGrace { age: Option<Duration>, grace: Duration },
+    /// Create the missing record for the owning Service.
+    Create,
+    /// Delete our record and create it again with the right parentRef and labels.
+    Replace,
+    /// A Warning Event on the Service; nothing is changed (never take a live Service's address).
+    Event,
+    /// Reported only; the reason says why nothing is done.
+    None(String),
+}
+
+impl Action {
+    /// Short code for machines.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Action::Release => "release",
+            Action::ReleaseLater { .. } => "release-later",
+            Action::ReleaseAfterGrace { .. } => "release-after-grace",
+            Action::Create => "create",
+            Action::Replace => "replace",
+            Action::Event => "event",
+            Action::None(_) => "none",
+        }
+    }
+
+    /// True when `--fix` changes a record for it.
+    pub fn changes_records(&self) -> bool {
+        matches!(self, Action::Release | Action::Create | Action::Replace)
+    }
+}
+
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Action::Release => f.write_str("release the record"),
+            Action::ReleaseLater { seen, of } => write!(f, "release on pass {of} of {of} (seen leaked on {seen})"),
+            Action::ReleaseAfterGrace { age: Some(age), grace } => {
+                write!(f, "release once older than {}s (now {}s)", grace.as_secs(), age.as_secs())
+            }
+            Action::ReleaseAfterGrace { age: None, grace } => write!(f, "release once older than {}s (age unknown)", grace.as_secs()),
+            Action::Create => f.write_str("create the record"),
+            Action::Replace => f.write_str("replace the record"),
+            Action::Event => f.write_str("warning Event on the Service"),
+            Action::None(why) => write!(f, "none: {why}"),
+        }
+    }
+}
+
+/// Where an Event goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventTarget {
+    Service { namespace: String, name: String, uid: Option<String> },
+    IpAddress { name: String, uid: Option<String> },
+}
+
+/// A Warning Event in Kubernetes' reason, action and wording.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventText {
+    pub target: EventTarget,
+    pub reason: &'static str,
+    pub action: &'static str,
+    pub note: String,
+}
+
+/// One inconsistency and what to do about it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    pub kind: Kind,
+    /// The address as written (a Service's clusterIP or an IPAddress name).
+    pub address: String,
+    /// Who holds it: `ns/name` of the Service(s), or the record's parentRef.
+    pub owner: String,
+    pub action: Action,
+    /// The Service a created or replaced record belongs to.
+    pub service: Option<(String, String)>,
+    /// The record a release or replace deletes (name, uid, resourceVersion) — IPAddress only.
+    pub record: Option<RecordView>,
+    pub event: Option<EventText>,
+}
+
+/// The pass's result.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+    pub services: usize,
+    pub records: usize,
+    /// Service addresses outside our ranges that we never assigned (another allocator's).
+    pub foreign: usize,
+}
+
+impl Report {
+    pub fn count(&self, kind: Kind) -> usize {
+        self.findings.iter().filter(|f| f.kind == kind).count()
+    }
+}
+
+fn family_word(ip: IpAddr) -> &'static str {
+    Family::of(ip).as_str()
+}
+
+fn is_service_parent(p: &ParentRef) -> bool {
+    p.group.is_empty() && p.resource == "services"
+}
+
+/// The pass. `leaks` carries the etcd backend's per-address counters from one pass to the
+/// next (a fresh value for a one-shot run); it is updated here.
+pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: &mut LeakCounts) -> Report {
+    let mut report = Report { services: services.len(), ..Default::default() };
+    let audit = matches!(cfg.mode, Mode::Audit { .. });
+    let our_manager: Option<&str> = match &cfg.mode {
+        Mode::Etcd => None,
+        Mode::IpAddress { manager } | Mode::Audit { manager } => Some(manager.as_str()),
+    };
+    // IPAddress objects by canonical name.
+    let objects: BTreeMap<IpAddr, &RecordView> = match records {
+        Records::Map(_) => BTreeMap::new(),
+        Records::Objects(list) => list
+            .iter()
+            .filter_map(|r| cidr::parse_ip(&r.name).ok().filter(|ip| ip.to_string() == r.name).map(|ip| (ip, r)))
+            .collect(),
+    };
+    report.records = match records {
+        Records::Map(m) => m.len(),
+        Records::Objects(list) => list.len(),
+    };
+    let ours = |r: &RecordView| our_manager.is_some() && r.managed_by.as_deref() == our_manager;
+    let read_only = |r: &RecordView| -> Option<String> {
+        if audit {
+            Some("read-only audit".into())
+        } else if !ours(r) {
+            Some(format!("managed by {}", r.managed_by.as_deref().unwrap_or("nobody (no managed-by label)")))
+        } else {
+            None
+        }
+    };
+
+    // Owners of every parsed address; malformed addresses reported on the way.
+    let mut owners: BTreeMap<IpAddr, Vec<&ServiceView>> = BTreeMap::new();
+    for svc in services {
+        for text in &svc.cluster_ips {
+            match cidr::parse_ip(text) {
+                Ok(ip) => owners.entry(ip).or_default().push(svc),
+                Err(_) => report.findings.push(Finding {
+                    kind: Kind::Malformed,
+                    address: text.clone(),
+                    owner: svc.key(),
+                    action: Action::Event,
+                    service: None,
+                    record: None,
+                    event: Some(service_event(svc, "ClusterIPNotValid", "ClusterIPValidation", format!("Cluster IP {text} is not a valid IP; please recreate Service"))),
+                }),
+            }
+        }
+    }
+    for list in owners.values_mut() {
+        list.sort_by(|a, b| (a.created.unwrap_or(i64::MAX), a.key()).cmp(&(b.created.unwrap_or(i64::MAX), b.key())));
+        list.dedup_by(|a, b| a.key() == b.key());
+    }
+
+    // Service-centric checks.
+    for (&ip, list) in &owners {
+        let in_range = cfg.ranges.iter().any(|c| c.contains(ip));
+        let claimed = audit
+            || objects.get(&ip).is_some_and(|r| ours(r))
+            || match &cfg.cluster_ranges {
+                Some(cluster) => !cluster.iter().any(|c| c.contains(ip)),
+                None => list.iter().any(|s| s.assigned_by_us.iter().any(|t| cidr::parse_ip(t).ok() == Some(ip))),
+            };
+        if !in_range && !claimed {
+            report.foreign += 1;
+            continue;
+        }
+        if !in_range {
+            let family = Family::of(ip);
+            let configured: Vec<String> = cfg.ranges.iter().filter(|c| c.family() == family).map(|c| c.to_string()).collect();
+            let family_known = !configured.is_empty() || cfg.cluster_ranges.iter().flatten().any(|c| c.family() == family);
+            for svc in list {
+                let (kind, reason, action, note) = if !family_known {
+                    (
+                        Kind::FamilyNotConfigured,
+                        "ClusterIPNotValid",
+                        "ClusterIPValidation",
+                        format!("Cluster IP {ip}({}) is of ip family that is no longer configured on cluster; please recreate service", family_word(ip)),
+                    )
+                } else if cfg.mode == Mode::Etcd && !configured.is_empty() {
+                    (
+                        Kind::OutOfRange,
+                        "ClusterIPOutOfRange",
+                        "ClusterIPAllocation",
+                        format!("Cluster IP [{}]:{ip} is not within the service CIDR {}; please recreate service", family_word(ip), configured.join(", ")),
+                    )
+                } else {
+                    (
+                        Kind::OutOfRange,
+                        "ClusterIPOutOfRange",
+                        "ClusterIPAllocation",
+                        format!("Cluster IP [{}]: {ip} is not within any configured Service CIDR; please recreate service", family_word(ip)),
+                    )
+                };
+                report.findings.push(Finding {
+                    kind,
+                    address: ip.to_string(),
+                    owner: svc.key(),
+                    action: if audit { Action::None("read-only audit".into()) } else { Action::Event },
+                    service: None,
+                    record: None,
+                    event: (!audit).then(|| service_event(svc, reason, action, note)),
+                });
+            }
+            continue;
+        }
+        // One address on several Services: the oldest keeps it, the others are told.
+        let first = list[0];
+        for svc in &list[1..] {
+            report.findings.push(Finding {
+                kind: Kind::Duplicate,
+                address: ip.to_string(),
+                owner: format!("{} (also {})", svc.key(), first.key()),
+                action: if audit { Action::None("read-only audit".into()) } else { Action::Event },
+                service: None,
+                record: None,
+                event: (!audit).then(|| {
+                    service_event(
+                        svc,
+                        "ClusterIPAlreadyAllocated",
+                        "ClusterIPAllocation",
+                        format!("Cluster IP [{}]:{ip} was assigned to multiple services; please recreate service", family_word(ip)),
+                    )
+                }),
+            });
+        }
+        match records {
+            Records::Map(map) => {
+                leaks.forget(ip);
+                if !map.contains(&ip) {
+                    report.findings.push(Finding {
+                        kind: Kind::MissingRecord,
+                        address: ip.to_string(),
+                        owner: first.key(),
+                        action: Action::Create,
+                        service: Some((first.namespace.clone(), first.name.clone())),
+                        record: None,
+                        event: Some(service_event(
+                            first,
+                            "ClusterIPNotAllocated",
+                            "ClusterIPAllocation",
+                            format!("Cluster IP [{}]:{ip} is not allocated; repairing", family_word(ip)),
+                        )),
+                    });
+                }
+            }
+            Records::Objects(_) => service_record_checks(cfg, &mut report, ip, list, objects.get(&ip).copied(), &read_only),
+        }
+    }
+
+    // Record-centric checks: leaks and wrong references of records nobody holds.
+    match records {
+        Records::Map(map) => {
+            let mut still = HashMap::new();
+            for &ip in map {
+                if owners.contains_key(&ip) {
+                    continue;
+                }
+                let seen = leaks.get(ip) + 1;
+                still.insert(ip, seen);
+                let action = if cfg.release_leaks_now || seen >= LEAK_PASSES { Action::Release } else { Action::ReleaseLater { seen, of: LEAK_PASSES } };
+                report.findings.push(Finding {
+                    kind: Kind::Leak,
+                    address: ip.to_string(),
+                    owner: "-".into(),
+                    action,
+                    service: None,
+                    record: None,
+                    event: None,
+                });
+            }
+            // Counters are for *consecutive* passes: anything not leaked now starts over.
+            leaks.seen = still;
+        }
+        Records::Objects(list) => {
+            for r in list {
+                let judged = match our_manager {
+                    Some(m) => r.managed_by.as_deref() == Some(m),
+                    None => false,
+                };
+                if !judged {
+                    continue;
+                }
+                let Some(ip) = cidr::parse_ip(&r.name).ok().filter(|ip| ip.to_string() == r.name) else {
+                    report.findings.push(Finding {
+                        kind: Kind::Malformed,
+                        address: r.name.clone(),
+                        owner: r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                        action: Action::None("not a canonical address; left for a person to look at".into()),
+                        service: None,
+                        record: Some(r.clone()),
+                        event: None,
+                    });
+                    continue;
+                };
+                if owners.contains_key(&ip) {
+                    continue; // judged above, from the Service side
+                }
+                let Some(parent) = r.parent.as_ref() else { continue };
+                if !is_service_parent(parent) {
+                    // Our records may belong to parents other than Services; those are not
+                    // ours to judge here (Kubernetes' own objects must name a Service).
+                    if audit {
+                        report.findings.push(Finding {
+                            kind: Kind::WrongReference,
+                            address: r.name.clone(),
+                            owner: parent.to_string(),
+                            action: Action::None("read-only audit".into()),
+                            service: None,
+                            record: Some(r.clone()),
+                            event: None,
+                        });
+                    }
+                    continue;
+                }
+                let ns = parent.namespace.clone().unwrap_or_default();
+                let parent_svc = services.iter().find(|s| s.namespace == ns && s.name == parent.name);
+                let (kind, action, note, reason) = match parent_svc {
+                    None => {
+                        let action = if audit {
+                            Action::None("read-only audit".into())
+                        } else if cfg.release_leaks_now || r.age.is_some_and(|a| a > cfg.grace) {
+                            Action::Release
+                        } else {
+                            Action::ReleaseAfterGrace { age: r.age, grace: cfg.grace }
+                        };
+                        (
+                            Kind::Leak,
+                            action,
+                            format!("IPAddress: {} for Service {ns}/{} appears to have leaked: cleaning up", r.name, parent.name),
+                            "IPAddressNotAllocated",
+                        )
+                    }
+                    Some(_) => (
+                        Kind::WrongReference,
+                        if audit { Action::None("read-only audit".into()) } else { Action::Release },
+                        format!("IPAddress: {} for Service {ns}/{} has a wrong reference; cleaning up", r.name, parent.name),
+                        "IPAddressWrongReference",
+                    ),
+                };
+                let event = (action == Action::Release).then(|| EventText {
+                    target: EventTarget::IpAddress { name: r.name.clone(), uid: r.uid.clone() },
+                    reason,
+                    action: "IPAddressAllocation",
+                    note,
+                });
+                report.findings.push(Finding {
+                    kind,
+                    address: r.name.clone(),
+                    owner: parent.to_string(),
+                    action,
+                    service: None,
+                    record: Some(r.clone()),
+                    event,
+                });
+            }
+        }
+    }
+    report.findings.sort_by(|a, b| (a.kind, sort_key(&a.address), &a.owner).cmp(&(b.kind, sort_key(&b.address), &b.owner)));
+    report
+}
+
+fn sort_key(text: &str) -> (Option<IpAddr>, &str) {
+    (cidr::parse_ip(text).ok(), text)
+}
+
+/// The checks of one in-range Service address against its IPAddress object.
+fn service_record_checks(
+    cfg: &Config,
+    report: &mut Report,
+    ip: IpAddr,
+    owners: &[&ServiceView],
+    record: Option<&RecordView>,
+    read_only: &dyn Fn(&RecordView) -> Option<String>,
+) {
+    let audit = matches!(cfg.mode, Mode::Audit { .. });
+    let first = owners[0];
+    let fam = family_word(ip);
+    let Some(r) = record else {
+        report.findings.push(Finding {
+            kind: Kind::MissingRecord,
+            address: ip.to_string(),
+            owner: first.key(),
+            action: if audit { Action::None("read-only audit".into()) } else { Action::Create },
+            service: Some((first.namespace.clone(), first.name.clone())),
+            record: None,
+            event: (!audit).then(|| service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{fam}]: {ip} is not allocated; repairing"))),
+        });
+        return;
+    };
+    let points_to_owner = r.parent.as_ref().is_some_and(|p| {
+        is_service_parent(p) && owners.iter().any(|s| p.namespace.as_deref().unwrap_or_default() == s.namespace && p.name == s.name)
+    });
+    let fix = |why: Option<String>| match why {
+        Some(why) => Action::None(why),
+        None => Action::Replace,
+    };
+    if !points_to_owner {
+        let action = fix(read_only(r));
+        report.findings.push(Finding {
+            kind: Kind::WrongReference,
+            address: ip.to_string(),
+            owner: format!("{} (record: {})", first.key(), r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "no parentRef".into())),
+            event: (action == Action::Replace).then(|| {
+                service_event(
+                    first,
+                    "ClusterIPNotAllocated",
+                    "ClusterIPAllocation",
+                    format!("the ClusterIP [{fam}]: {ip} for Service {}/{} has a wrong reference; repairing", first.namespace, first.name),
+                )
+            }),
+            action,
+            service: Some((first.namespace.clone(), first.name.clone())),
+            record: Some(r.clone()),
+        });
+        return;
+    }
+    let family_ok = r.family_label.as_deref() == Some(fam);
+    let manager_ok = match &cfg.mode {
+        Mode::Audit { manager } => r.managed_by.as_deref() == Some(manager.as_str()),
+        _ => r.managed_by.as_deref().is_some_and(|m| !m.is_empty()),
+    };
+    if !family_ok || !manager_ok {
+        let action = fix(read_only(r));
+        let mut wrong = Vec::new();
+        if !family_ok {
+            wrong.push(format!("ip-family={}", r.family_label.as_deref().unwrap_or("<missing>")));
+        }
+        if !manager_ok {
+            wrong.push(format!("managed-by={}", r.managed_by.as_deref().unwrap_or("<missing>")));
+        }
+        report.findings.push(Finding {
+            kind: Kind::WrongLabels,
+            address: ip.to_string(),
+            owner: format!("{} (labels: {})", first.key(), wrong.join(", ")),
+            event: (action == Action::Replace).then(|| {
+                service_event(
+                    first,
+                    "ClusterIPNotAllocated",
+                    "ClusterIPAllocation",
+                    format!("the ClusterIP [{fam}]: {ip} for Service {}/{} has a wrong reference; repairing", first.namespace, first.name),
+                )
+            }),
+            action,
+            service: Some((first.namespace.clone(), first.name.clone())),
+            record: Some(r.clone()),
+        });
+    }
+}
+
+fn service_event(svc: &ServiceView, reason: &'static str, action: &'static str, note: String) -> EventText {
+    EventText {
+        target: EventTarget::Service { namespace: svc.namespace.clone(), name: svc.name.clone(), uid: svc.uid.clone() },
+        reason,
+        action,
+        note,
+    }
+}
+
+#[cfg(test)]
+#[path = "decide_tests.rs"]
+mod tests;

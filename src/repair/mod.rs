@@ -1,0 +1,473 @@
+//! The repair pass: Services, allocation records and ranges compared, drift found and —
+//! when asked — repaired, as Kubernetes' repair controllers do (see docs/repair.md).
+//!
+//! - [`decide`]: the pure decisions (inputs in, findings out), unit-tested.
+//! - this module: the I/O around them — list every Service (paginated), read the
+//!   backend's records, confirm each finding against a fresh read, apply the actions,
+//!   post Events in Kubernetes' reasons, count metrics — and the controller's loop.
+//!
+//! Records are read **before** Services are listed: an address allocated between the two
+//! reads then looks owned (a Service appears) or merely missing (recreating it finds it
+//! recorded), never leaked. Findings that could be a race (a missing record, an orphaned
+//! IPAddress) are confirmed by reading that one object again before they are reported.
+
+pub mod decide;
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference, ServiceCIDR};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tracing::{debug, info, warn};
+
+use crate::cidr::{self, Family, ServiceCidr};
+use crate::metrics::Metrics;
+use crate::store::ipaddress::{KUBE_APISERVER_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
+use crate::store::{AllocationStore, ParentRef, StoreError};
+
+pub use decide::{decide, Action, Config, EventTarget, Finding, Kind, LeakCounts, Mode, RecordView, Records, Report, ServiceView, DEFAULT_GRACE, LEAK_PASSES};
+
+/// Page size of every list (Services, IPAddresses).
+pub const PAGE: u32 = 500;
+/// Findings confirmed one object at a time at most; beyond this the pass trusts its lists.
+const MAX_CONFIRM: usize = 1000;
+
+/// Why a pass could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RepairError {
+    #[error("listing {what}: {source}")]
+    List { what: &'static str, source: kube::Error },
+    #[error("reading the allocation records: {0}")]
+    Records(#[from] StoreError),
+}
+
+/// Where the records are and what the pass may change.
+#[derive(Clone)]
+pub enum Target {
+    /// The etcd backend (its allocation maps, through the store).
+    Etcd(Arc<dyn AllocationStore>),
+    /// IPAddress objects; ours carry managed-by `manager`.
+    IpAddress { manager: String, ranges: Vec<ServiceCidr>, use_servicecidrs: bool },
+    /// Read-only audit of the kube-apiserver's own allocator (ranges from ServiceCIDRs).
+    Audit,
+}
+
+/// What happened to one finding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Dry run, or an action that changes nothing (Event, report only, wait).
+    NotApplied,
+    /// The action was carried out (the Event was posted, the record changed).
+    Applied,
+    /// The action failed; the text says why.
+    Failed(String),
+}
+
+/// One pass's findings and what became of each.
+#[derive(Clone, Debug, Default)]
+pub struct PassResult {
+    pub report: Report,
+    pub outcomes: Vec<Outcome>,
+    pub ranges: Vec<ServiceCidr>,
+    pub backend: &'static str,
+}
+
+impl PassResult {
+    /// Findings still true after the pass: everything on a dry run; with fixes, those whose
+    /// record change was not carried out (an Event or a wait does not make drift go away).
+    pub fn remaining(&self) -> usize {
+        self.report
+            .findings
+            .iter()
+            .zip(&self.outcomes)
+            .filter(|(f, o)| !(f.action.changes_records() && **o == Outcome::Applied))
+            .count()
+    }
+
+    pub fn failed(&self) -> usize {
+        self.outcomes.iter().filter(|o| matches!(o, Outcome::Failed(_))).count()
+    }
+}
+
+/// Progress callback: (phase, items so far).
+pub type Progress<'a> = &'a (dyn Fn(&str, usize) + Send + Sync);
+
+fn no_progress(_: &str, _: usize) {}
+
+/// Runs passes; keeps the etcd backend's leak counters from one pass to the next.
+pub struct Repairer {
+    client: kube::Client,
+    target: Target,
+    grace: Duration,
+    leaks: LeakCounts,
+    recorder: Option<Recorder>,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl Repairer {
+    pub fn new(client: kube::Client, target: Target) -> Self {
+        Self { client, target, grace: DEFAULT_GRACE, leaks: LeakCounts::default(), recorder: None, metrics: None }
+    }
+
+    /// IPAddress leak grace period (default 60s).
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// Post Events (Kubernetes' reasons) for the findings of passes that apply fixes.
+    pub fn with_events(mut self, instance: Option<String>) -> Self {
+        self.recorder = Some(Recorder::new(self.client.clone(), Reporter { controller: crate::controller::events::REPORTER.into(), instance }));
+        self
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Addresses currently counted as leaked (etcd backend), with their counts.
+    pub fn leak_counts(&self) -> &LeakCounts {
+        &self.leaks
+    }
+
+    /// One pass. `fix` applies the actions; `release_leaks_now` releases every leak found.
+    pub async fn run_once(&mut self, fix: bool, release_leaks_now: bool, progress: Option<Progress<'_>>) -> Result<PassResult, RepairError> {
+        let result = self.pass(fix, release_leaks_now, progress.unwrap_or(&no_progress)).await;
+        if let (Err(_), Some(m)) = (&result, &self.metrics) {
+            m.repair_reconcile_errors.inc();
+        }
+        result
+    }
+
+    async fn pass(&mut self, fix: bool, release_leaks_now: bool, progress: Progress<'_>) -> Result<PassResult, RepairError> {
+        let audit = matches!(self.target, Target::Audit);
+        // Records first (see the module docs), then ranges, then Services.
+        let (records, ranges, mode, backend) = match &self.target {
+            Target::Etcd(store) => {
+                let all: BTreeSet<IpAddr> = store.allocated().await?.into_iter().collect();
+                progress("records", all.len());
+                (Records::Map(all), store.ranges(), Mode::Etcd, "etcd")
+            }
+            Target::IpAddress { manager, ranges, use_servicecidrs } => {
+                let objects = list_ipaddresses(&self.client, progress).await?;
+                let mut ranges = ranges.clone();
+                if *use_servicecidrs {
+                    for c in servicecidr_ranges(&self.client).await? {
+                        if !ranges.contains(&c) {
+                            ranges.push(c);
+                        }
+                    }
+                }
+                (Records::Objects(objects), ranges, Mode::IpAddress { manager: manager.clone() }, "ipaddress")
+            }
+            Target::Audit => {
+                let objects = list_ipaddresses(&self.client, progress).await?;
+                let ranges = servicecidr_ranges(&self.client).await?;
+                (Records::Objects(objects), ranges, Mode::Audit { manager: KUBE_APISERVER_MANAGER.into() }, "kube-apiserver")
+            }
+        };
+        let cluster_ranges = match &self.target {
+            Target::Audit => Some(ranges.clone()),
+            _ => match servicecidr_ranges(&self.client).await {
+                Ok(c) => Some(c),
+                Err(RepairError::List { source: kube::Error::Api(s), .. }) if s.code == 404 || s.code == 403 => None,
+                Err(e) => return Err(e),
+            },
+        };
+        let services = list_services(&self.client, progress).await?;
+        let cfg = Config { ranges: ranges.clone(), cluster_ranges, mode, grace: self.grace, release_leaks_now };
+        let mut report = decide(&cfg, &services, &records, &mut self.leaks);
+        drop(services);
+        drop(records);
+        self.confirm(&mut report).await;
+        if let Some(m) = &self.metrics {
+            for f in &report.findings {
+                m.repair_ip_errors.get_or_create(&crate::metrics::RepairLabels { r#type: f.kind.metric_type() }).inc();
+            }
+        }
+        let mut outcomes = Vec::with_capacity(report.findings.len());
+        for (i, f) in report.findings.iter().enumerate() {
+            progress("applying", i);
+            let outcome = if fix && !audit { self.apply(f).await } else { Outcome::NotApplied };
+            if let Outcome::Failed(why) = &outcome {
+                warn!(kind = f.kind.as_str(), address = %f.address, error = %why, "repair action failed");
+                if let Some(m) = &self.metrics {
+                    let t = if why.contains("range is full") { "full" } else { "unknown" };
+                    m.repair_ip_errors.get_or_create(&crate::metrics::RepairLabels { r#type: t }).inc();
+                }
+            } else if outcome == Outcome::Applied {
+                info!(kind = f.kind.as_str(), address = %f.address, owner = %f.owner, action = %f.action, "repaired");
+                if f.action == Action::Release {
+                    if let Ok(ip) = cidr::parse_ip(&f.address) {
+                        self.leaks.forget(ip);
+                    }
+                }
+            }
+            outcomes.push(outcome);
+        }
+        Ok(PassResult { report, outcomes, ranges, backend })
+    }
+
+    /// Drop findings a fresh read of the one object contradicts (a race with a create).
+    async fn confirm(&self, report: &mut Report) {
+        if report.findings.len() > MAX_CONFIRM {
+            return;
+        }
+        let ipaddrs: Api<IPAddress> = Api::all(self.client.clone());
+        let mut keep = Vec::with_capacity(report.findings.len());
+        for f in std::mem::take(&mut report.findings) {
+            let still = match (f.kind, &self.target) {
+                (Kind::MissingRecord, Target::Etcd(store)) => match cidr::parse_ip(&f.address) {
+                    Ok(ip) => !store.has(ip).await.unwrap_or(false),
+                    Err(_) => true,
+                },
+                (Kind::MissingRecord, _) => matches!(ipaddrs.get_opt(&f.address).await, Ok(None)),
+                (Kind::Leak | Kind::WrongReference, Target::IpAddress { .. } | Target::Audit) if f.service.is_none() => {
+                    match f.record.as_ref().and_then(|r| r.parent.clone()) {
+                        Some(p) if p.group.is_empty() && p.resource == "services" => {
+                            let api: Api<Service> = Api::namespaced(self.client.clone(), p.namespace.as_deref().unwrap_or_default());
+                            match api.get_opt(&p.name).await {
+                                Ok(Some(svc)) => {
+                                    let holds = crate::controller::services::service_ips(&svc).iter().any(|t| *t == f.address);
+                                    // Leak: the parent exists now. Wrong reference: it holds it now.
+                                    if f.kind == Kind::Leak { false } else { !holds }
+                                }
+                                Ok(None) => f.kind == Kind::Leak,
+                                Err(_) => true,
+                            }
+                        }
+                        _ => true,
+                    }
+                }
+                _ => true,
+            };
+            if still {
+                keep.push(f);
+            } else {
+                debug!(kind = f.kind.as_str(), address = %f.address, "finding not confirmed by a fresh read; dropped");
+            }
+        }
+        report.findings = keep;
+    }
+
+    async fn apply(&self, f: &Finding) -> Outcome {
+        let changed = match (&f.action, &self.target) {
+            (Action::Release, Target::Etcd(store)) => match cidr::parse_ip(&f.address) {
+                Ok(ip) => store.release(ip).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            },
+            (Action::Create, Target::Etcd(store)) => match cidr::parse_ip(&f.address) {
+                Ok(ip) => match store.allocate(ip, None).await {
+                    Ok(()) | Err(StoreError::Alloc(crate::alloc::AllocError::Allocated)) => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                },
+                Err(e) => Err(e.to_string()),
+            },
+            (Action::Release, Target::IpAddress { .. }) => match &f.record {
+                Some(r) => self.delete_record(r).await,
+                None => Err("no record to release".into()),
+            },
+            (Action::Create, Target::IpAddress { manager, .. }) => self.create_record(&f.address, f.service.as_ref(), manager).await,
+            (Action::Replace, Target::IpAddress { manager, .. }) => match &f.record {
+                Some(r) => match self.delete_record(r).await {
+                    Ok(()) => self.create_record(&f.address, f.service.as_ref(), manager).await,
+                    Err(e) => Err(e),
+                },
+                None => Err("no record to replace".into()),
+            },
+            (Action::Event, _) => Ok(()),
+            _ => return Outcome::NotApplied,
+        };
+        match changed {
+            Ok(()) => {
+                if let Some(ev) = &f.event {
+                    self.post(ev).await;
+                }
+                Outcome::Applied
+            }
+            Err(e) => Outcome::Failed(e),
+        }
+    }
+
+    /// Delete one of our IPAddress objects, only if it is still the object that was read.
+    async fn delete_record(&self, r: &RecordView) -> Result<(), String> {
+        let api: Api<IPAddress> = Api::all(self.client.clone());
+        let dp = DeleteParams { preconditions: Some(Preconditions { uid: r.uid.clone(), resource_version: r.resource_version.clone() }), ..Default::default() };
+        match api.delete(&r.name, &dp).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(format!("IPAddress {} changed since it was read; left for the next pass", r.name)),
+            Err(e) => Err(format!("deleting IPAddress {}: {e}", r.name)),
+        }
+    }
+
+    async fn create_record(&self, address: &str, service: Option<&(String, String)>, manager: &str) -> Result<(), String> {
+        let Some((ns, name)) = service else { return Err("no Service to record the address for".into()) };
+        let ip = cidr::parse_ip(address).map_err(|e| e.to_string())?;
+        let obj = IPAddress {
+            metadata: ObjectMeta {
+                name: Some(ip.to_string()),
+                labels: Some(
+                    [(LABEL_IP_FAMILY.to_string(), Family::of(ip).as_str().to_string()), (LABEL_MANAGED_BY.to_string(), manager.to_string())].into(),
+                ),
+                ..Default::default()
+            },
+            spec: IPAddressSpec { parent_ref: ParentReference { group: None, resource: "services".into(), namespace: Some(ns.clone()), name: name.clone() } },
+        };
+        let api: Api<IPAddress> = Api::all(self.client.clone());
+        match api.create(&PostParams::default(), &obj).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // recorded meanwhile
+            Err(e) => Err(format!("creating IPAddress {ip}: {e}")),
+        }
+    }
+
+    async fn post(&self, ev: &decide::EventText) {
+        let Some(recorder) = &self.recorder else { return };
+        let reference = match &ev.target {
+            EventTarget::Service { namespace, name, uid } => ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Service".into()),
+                namespace: Some(namespace.clone()),
+                name: Some(name.clone()),
+                uid: uid.clone(),
+                ..Default::default()
+            },
+            EventTarget::IpAddress { name, uid } => ObjectReference {
+                api_version: Some("networking.k8s.io/v1".into()),
+                kind: Some("IPAddress".into()),
+                name: Some(name.clone()),
+                uid: uid.clone(),
+                ..Default::default()
+            },
+        };
+        let e = Event { type_: EventType::Warning, reason: ev.reason.into(), note: Some(ev.note.clone()), action: ev.action.into(), secondary: None };
+        if let Err(err) = recorder.publish(&e, &reference).await {
+            debug!(error = %err, reason = ev.reason, "could not publish an Event");
+        }
+    }
+}
+
+/// Every Service of every namespace, [`PAGE`] at a time.
+pub async fn list_services(client: &kube::Client, progress: Progress<'_>) -> Result<Vec<ServiceView>, RepairError> {
+    let api: Api<Service> = Api::all(client.clone());
+    list_all(&api, "Services", progress, service_view).await
+}
+
+/// Every IPAddress object, [`PAGE`] at a time.
+pub async fn list_ipaddresses(client: &kube::Client, progress: Progress<'_>) -> Result<Vec<RecordView>, RepairError> {
+    let api: Api<IPAddress> = Api::all(client.clone());
+    let now = k8s_openapi::jiff::Timestamp::now();
+    list_all(&api, "IPAddresses", progress, |a| record_view(a, now)).await
+}
+
+/// The ranges of the cluster's ServiceCIDR objects (unparsable ones are skipped, logged).
+pub async fn servicecidr_ranges(client: &kube::Client) -> Result<Vec<ServiceCidr>, RepairError> {
+    let api: Api<ServiceCIDR> = Api::all(client.clone());
+    let list = api.list(&ListParams::default()).await.map_err(|source| RepairError::List { what: "ServiceCIDRs", source })?;
+    let mut out = Vec::new();
+    for obj in list.items {
+        for text in obj.spec.and_then(|s| s.cidrs).unwrap_or_default() {
+            match ServiceCidr::parse(&text) {
+                Ok(c) if !out.contains(&c) => out.push(c),
+                Ok(_) => {}
+                Err(e) => warn!(servicecidr = ?obj.metadata.name, cidr = %text, error = %e, "ignoring an unusable ServiceCIDR range"),
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn list_all<K, V>(api: &Api<K>, what: &'static str, progress: Progress<'_>, convert: impl Fn(K) -> V) -> Result<Vec<V>, RepairError>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    // A continue token can expire (410 Gone) during a long list: start over, a few times.
+    let mut restarts = 0;
+    'list: loop {
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let lp = ListParams { limit: Some(PAGE), continue_token: token.clone(), ..Default::default() };
+            let page = match api.list(&lp).await {
+                Ok(p) => p,
+                Err(kube::Error::Api(s)) if s.code == 410 && restarts < 3 => {
+                    restarts += 1;
+                    debug!(what, "list continue token expired; listing again");
+                    continue 'list;
+                }
+                Err(source) => return Err(RepairError::List { what, source }),
+            };
+            out.extend(page.items.into_iter().map(&convert));
+            progress(what, out.len());
+            token = page.metadata.continue_.filter(|t| !t.is_empty());
+            if token.is_none() {
+                return Ok(out);
+            }
+        }
+    }
+}
+
+/// What the pass needs of a Service.
+pub fn service_view(svc: Service) -> ServiceView {
+    let cluster_ips = crate::controller::services::service_ips(&svc);
+    let assigned_by_us = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(crate::webhook::admission::RESERVED_ANNOTATION))
+        .map(|v| v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect())
+        .unwrap_or_default();
+    ServiceView {
+        namespace: svc.metadata.namespace.unwrap_or_default(),
+        name: svc.metadata.name.unwrap_or_default(),
+        uid: svc.metadata.uid,
+        created: svc.metadata.creation_timestamp.map(|t| t.0.as_second()),
+        cluster_ips,
+        assigned_by_us,
+    }
+}
+
+/// What the pass needs of an IPAddress.
+pub fn record_view(obj: IPAddress, now: k8s_openapi::jiff::Timestamp) -> RecordView {
+    let labels = obj.metadata.labels.unwrap_or_default();
+    let p = obj.spec.parent_ref;
+    RecordView {
+        name: obj.metadata.name.unwrap_or_default(),
+        uid: obj.metadata.uid,
+        resource_version: obj.metadata.resource_version,
+        managed_by: labels.get(LABEL_MANAGED_BY).cloned(),
+        family_label: labels.get(LABEL_IP_FAMILY).cloned(),
+        parent: Some(ParentRef { group: p.group.unwrap_or_default(), resource: p.resource, namespace: p.namespace.filter(|n| !n.is_empty()), name: p.name }),
+        age: obj.metadata.creation_timestamp.map(|t| {
+            let secs = now.duration_since(t.0).as_secs_f64();
+            Duration::from_secs_f64(secs.max(0.0))
+        }),
+    }
+}
+
+/// The controller's loop: a pass at once, then every `interval`, applying fixes and
+/// posting Events. Errors are logged and counted; the loop goes on.
+pub async fn run_loop(mut repairer: Repairer, interval: Duration) {
+    info!(?interval, "repair loop started");
+    loop {
+        let started = std::time::Instant::now();
+        match repairer.run_once(true, false, None).await {
+            Ok(r) => {
+                let found = r.report.findings.len();
+                if found > 0 {
+                    info!(found, remaining = r.remaining(), failed = r.failed(), services = r.report.services, records = r.report.records, took = ?started.elapsed(), "repair pass found drift");
+                } else {
+                    debug!(services = r.report.services, records = r.report.records, took = ?started.elapsed(), "repair pass: consistent");
+                }
+            }
+            Err(e) => warn!(error = %e, "repair pass failed; retrying at the next interval"),
+        }
+        tokio::time::sleep(interval).await;
+    }
+}

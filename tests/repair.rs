@@ -1,0 +1,401 @@
+//! The repair pass against the real control plane: drift seeded through the real
+//! kube-apiserver (Services) and the real backends (records), `clusterip repair` run as a
+//! process, its report rows, exit codes and repairs asserted.
+//!
+//! Service addresses must be valid for the apiserver (its 198.19.0.0/16 and
+//! fd00:10:96::/112), so each test takes a /28 and a /124 from the apiserver's *static* band
+//! (198.19.0.1–198.19.1.0, fd00:10:96::1–::100), which its own dynamic allocation never uses
+//! while the upper band has room, and which no other test uses. Records-only tests use
+//! 198.18.160.0/20. Each test has its own namespace and etcd prefix and removes them.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use clusterip::cidr::ServiceCidr;
+use clusterip::repair::{Action, Repairer, Target};
+use clusterip::store::etcd::{EtcdConfig, EtcdStore};
+use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
+use clusterip::store::{AllocationStore, ParentRef};
+use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use k8s_openapi::api::core::v1::{Event, Namespace, Service};
+use k8s_openapi::api::networking::v1::IPAddress;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::{json, Value};
+
+/// A namespace of the test's own, deleted (with its Services) on drop.
+struct Ns {
+    name: String,
+    client: kube::Client,
+}
+
+impl Ns {
+    async fn new(cp: &ControlPlane) -> Ns {
+        let client = cp.client().await;
+        let name = unique_name("repair");
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).expect("namespace");
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create namespace");
+        Ns { name, client }
+    }
+
+    fn services(&self) -> Api<Service> {
+        Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// A ClusterIP Service with the given addresses (dual-stack when two are given).
+    async fn service(&self, name: &str, ips: &[&str]) -> Service {
+        let mut spec = json!({"ports": [{"port": 80}], "clusterIP": ips[0], "clusterIPs": ips});
+        if ips.len() == 2 {
+            spec["ipFamilyPolicy"] = json!("RequireDualStack");
+            spec["ipFamilies"] = json!(ips.iter().map(|ip| if ip.contains(':') { "IPv6" } else { "IPv4" }).collect::<Vec<_>>());
+        }
+        let svc: Service = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).expect("service");
+        self.services().create(&PostParams::default(), &svc).await.unwrap_or_else(|e| panic!("create Service {name} {ips:?}: {e}"))
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let (client, name) = (self.client.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                let dp = DeleteParams::default();
+                let _ = Api::<Service>::namespaced(client.clone(), &name).delete_collection(&dp, &ListParams::default()).await;
+                let _ = Api::<Namespace>::all(client).delete(&name, &dp).await;
+            });
+        })
+        .join();
+    }
+}
+
+struct Run {
+    code: i32,
+    json: Value,
+    stderr: String,
+}
+
+impl Run {
+    /// (kind, address) of every finding.
+    fn rows(&self) -> BTreeSet<(String, String)> {
+        self.findings().iter().map(|f| (f["kind"].as_str().unwrap_or("").to_string(), f["address"].as_str().unwrap_or("").to_string())).collect()
+    }
+
+    fn findings(&self) -> Vec<Value> {
+        self.json["findings"].as_array().cloned().unwrap_or_default()
+    }
+
+    fn finding(&self, kind: &str, address: &str) -> Value {
+        self.findings()
+            .into_iter()
+            .find(|f| f["kind"] == kind && f["address"] == address)
+            .unwrap_or_else(|| panic!("no {kind} finding for {address} in {:#}", self.json))
+    }
+}
+
+/// `clusterip repair <args> -o json`.
+async fn repair(args: &[String]) -> Run {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
+        .arg("repair")
+        .args(args)
+        .args(["-o", "json"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run clusterip repair");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("repair printed no JSON ({e}): {stdout}\nstderr: {stderr}"));
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    Run { code: out.status.code().unwrap_or(-1), json, stderr }
+}
+
+fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn set(rows: &[(&str, &str)]) -> BTreeSet<(String, String)> {
+    rows.iter().map(|(k, a)| (k.to_string(), a.to_string())).collect()
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test address")
+}
+
+/// Poll `f` until it returns true; fail with `what` after `secs`.
+async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f().await {
+        assert!(Instant::now() < deadline, "{what} within {secs}s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn warning_reasons(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, String)> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = events.list(&ListParams::default()).await.expect("list events");
+    list.items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
+        .collect()
+}
+
+struct EtcdFixture {
+    cfg: EtcdConfig,
+    cidrs: Vec<ServiceCidr>,
+    endpoints: Vec<String>,
+}
+
+impl EtcdFixture {
+    fn new(cp: &ControlPlane, cidrs: &[&str]) -> Self {
+        let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", unique_name("repair")), ..Default::default() };
+        Self { cfg, cidrs: cidrs.iter().map(|c| ServiceCidr::parse(c).expect("cidr")).collect(), endpoints: cp.etcd_endpoints() }
+    }
+
+    async fn open(&self) -> EtcdStore {
+        EtcdStore::open(&self.cfg, self.cidrs.clone()).await.expect("open etcd store")
+    }
+
+    fn args(&self, cp: &ControlPlane) -> Vec<String> {
+        let mut a = strs(&["--backend", "etcd", "--etcd-endpoints"]);
+        a.push(self.endpoints.join(","));
+        a.extend(strs(&["--etcd-prefix", &self.cfg.prefix, "--service-cidr"]));
+        a.push(self.cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(","));
+        a.push("--kubeconfig".into());
+        a.push(cp.kubeconfig().display().to_string());
+        a
+    }
+
+    async fn cleanup(&self) {
+        if let Ok(mut client) = etcd_client::Client::connect(self.endpoints.clone(), None).await {
+            let _ = client.delete(self.cfg.prefix.clone(), Some(etcd_client::DeleteOptions::new().with_prefix())).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_drift_is_reported_then_fixed() {
+    let cp = control_plane();
+    let fx = EtcdFixture::new(&cp, &["198.19.0.192/28", "fd00:10:96::c0/124"]);
+    let ns = Ns::new(&cp).await;
+    let store = fx.open().await;
+    // Consistent: a Service and its record.
+    ns.service("held", &["198.19.0.193"]).await;
+    store.allocate(ip("198.19.0.193"), None).await.expect("record .193");
+    // Missing records: a dual-stack Service the records know nothing of.
+    ns.service("unrecorded", &["198.19.0.194", "fd00:10:96::c2"]).await;
+    // Leaks: records no Service holds.
+    store.allocate(ip("198.19.0.200"), None).await.expect("leak v4");
+    store.allocate(ip("fd00:10:96::c9"), None).await.expect("leak v6");
+
+    let args = fx.args(&cp);
+    let dry = repair(&args).await;
+    assert_eq!(dry.code, 1, "{:#}\n{}", dry.json, dry.stderr);
+    assert_eq!(
+        dry.rows(),
+        set(&[
+            ("leak", "198.19.0.200"),
+            ("leak", "fd00:10:96::c9"),
+            ("missing-record", "198.19.0.194"),
+            ("missing-record", "fd00:10:96::c2"),
+        ])
+    );
+    let missing = dry.finding("missing-record", "198.19.0.194");
+    assert_eq!(missing["owner"], format!("{}/unrecorded", ns.name));
+    assert_eq!(missing["action"], "create");
+    assert_eq!(missing["result"], "not-applied");
+    assert_eq!(missing["event"]["reason"], "ClusterIPNotAllocated");
+    assert_eq!(missing["event"]["message"], "Cluster IP [IPv4]:198.19.0.194 is not allocated; repairing");
+    let leak = dry.finding("leak", "198.19.0.200");
+    assert_eq!(leak["action"], "release-later");
+    assert_eq!(leak["detail"], "release on pass 3 of 3 (seen leaked on 1)");
+    // A dry run changes nothing.
+    assert!(!store.has(ip("198.19.0.194")).await.expect("has"));
+
+    // --fix recreates the missing records, posts the Events, and leaves the leaks (seen once).
+    let fixed = repair(&[args.clone(), strs(&["--fix"])].concat()).await;
+    assert_eq!(fixed.code, 1, "leaks are left by --fix alone: {:#}", fixed.json);
+    assert_eq!(fixed.finding("missing-record", "fd00:10:96::c2")["result"], "applied");
+    assert_eq!(fixed.finding("leak", "198.19.0.200")["result"], "not-applied");
+    assert_eq!(fixed.json["remaining"], 2);
+    eventually(10, "the missing records recorded", || async { store.has(ip("198.19.0.194")).await.unwrap_or(false) && store.has(ip("fd00:10:96::c2")).await.unwrap_or(false) }).await;
+    assert!(store.has(ip("198.19.0.200")).await.expect("has"), "a leak seen once must not be released");
+    let client = cp.client().await;
+    eventually(20, "ClusterIPNotAllocated Event on the Service", || async {
+        // (kube's Recorder folds repeats of one reason on one object into a series: the
+        // first note is the one kept.)
+        warning_reasons(&client, &ns.name, "unrecorded").await.iter().any(|(r, m)| {
+            r == "ClusterIPNotAllocated"
+                && (m == "Cluster IP [IPv4]:198.19.0.194 is not allocated; repairing" || m == "Cluster IP [IPv6]:fd00:10:96::c2 is not allocated; repairing")
+        })
+    })
+    .await;
+
+    // --release-leaks-now releases them; the next dry run is clean.
+    let now = repair(&[args.clone(), strs(&["--fix", "--release-leaks-now"])].concat()).await;
+    assert_eq!(now.code, 0, "{:#}", now.json);
+    assert_eq!(now.rows(), set(&[("leak", "198.19.0.200"), ("leak", "fd00:10:96::c9")]));
+    eventually(10, "the leaks released", || async { !store.has(ip("198.19.0.200")).await.unwrap_or(true) && !store.has(ip("fd00:10:96::c9")).await.unwrap_or(true) }).await;
+    let clean = repair(&args).await;
+    assert_eq!(clean.code, 0, "{:#}", clean.json);
+    assert!(clean.findings().is_empty());
+    assert_eq!(clean.json["consistent"], true);
+
+    drop(store);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_leak_is_released_on_the_third_pass_and_not_before() {
+    let cp = control_plane();
+    let fx = EtcdFixture::new(&cp, &["198.18.160.0/24"]);
+    let store: std::sync::Arc<dyn AllocationStore> = std::sync::Arc::new(fx.open().await);
+    store.allocate(ip("198.18.160.77"), None).await.expect("seed leak");
+    let mut repairer = Repairer::new(cp.client().await, Target::Etcd(store.clone()));
+    for pass in 1..=2u32 {
+        let r = repairer.run_once(true, false, None).await.expect("pass");
+        let f = &r.report.findings;
+        assert_eq!(f.len(), 1, "pass {pass}: {f:#?}");
+        assert_eq!(f[0].action, Action::ReleaseLater { seen: pass, of: 3 }, "pass {pass}");
+        assert!(store.has(ip("198.18.160.77")).await.expect("has"), "released on pass {pass}, before the 3rd");
+    }
+    let r = repairer.run_once(true, false, None).await.expect("pass 3");
+    assert_eq!(r.report.findings.len(), 1);
+    assert_eq!(r.report.findings[0].action, Action::Release);
+    assert_eq!(r.remaining(), 0);
+    eventually(10, "the leak released on the 3rd pass", || async { !store.has(ip("198.18.160.77")).await.unwrap_or(true) }).await;
+    let r = repairer.run_once(true, false, None).await.expect("pass 4");
+    assert!(r.report.findings.is_empty(), "{:#?}", r.report.findings);
+    drop(repairer);
+    drop(store);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_drift_is_reported_then_fixed() {
+    let cp = control_plane();
+    let ranges = ["198.19.0.208/28", "fd00:10:96::d0/124"];
+    let cidrs: Vec<ServiceCidr> = ranges.iter().map(|c| ServiceCidr::parse(c).expect("cidr")).collect();
+    let ns = Ns::new(&cp).await;
+    let client = cp.client().await;
+    // The apiserver records this Service's address itself (managed by ipallocator.k8s.io):
+    // read as the record, never changed.
+    ns.service("web", &["198.19.0.209"]).await;
+    let store = IpAddressStore::open(client.clone(), IpAddressConfig { ranges: cidrs.clone(), ..Default::default() }).await.expect("open IPAddress store");
+    // A leak: ours, for a Service that does not exist.
+    store.allocate(ip("198.19.0.215"), Some(&ParentRef::service(&ns.name, "gone"))).await.expect("seed leak");
+    // A wrong reference: ours, naming a live Service that does not hold the address.
+    store.allocate(ip("fd00:10:96::da"), Some(&ParentRef::service(&ns.name, "web"))).await.expect("seed wrong reference");
+    drop(store);
+
+    let mut args = strs(&["--backend", "ipaddress", "--service-cidr", &ranges.join(","), "--kubeconfig"]);
+    args.push(cp.kubeconfig().display().to_string());
+    let dry = repair(&args).await;
+    assert_eq!(dry.code, 1, "{:#}\n{}", dry.json, dry.stderr);
+    assert_eq!(dry.rows(), set(&[("leak", "198.19.0.215"), ("wrong-reference", "fd00:10:96::da")]));
+    let leak = dry.finding("leak", "198.19.0.215");
+    assert_eq!(leak["owner"], format!("services/{}/gone", ns.name));
+    assert_eq!(leak["action"], "release-after-grace");
+    let wrong = dry.finding("wrong-reference", "fd00:10:96::da");
+    assert_eq!(wrong["action"], "release");
+    assert_eq!(wrong["event"]["reason"], "IPAddressWrongReference");
+    assert_eq!(wrong["event"]["message"], format!("IPAddress: fd00:10:96::da for Service {}/web has a wrong reference; cleaning up", ns.name));
+
+    // --fix: the wrong reference goes; the young leak waits for its grace period.
+    let fixed = repair(&[args.clone(), strs(&["--fix"])].concat()).await;
+    assert_eq!(fixed.code, 1, "{:#}", fixed.json);
+    assert_eq!(fixed.finding("wrong-reference", "fd00:10:96::da")["result"], "applied");
+    assert_eq!(fixed.finding("leak", "198.19.0.215")["result"], "not-applied");
+    let ipaddrs: Api<IPAddress> = Api::all(client.clone());
+    assert!(ipaddrs.get_opt("fd00:10:96::da").await.expect("get").is_none());
+    assert!(ipaddrs.get_opt("198.19.0.215").await.expect("get").is_some(), "a leak inside its grace period must stay");
+    // The apiserver's own record of web is untouched.
+    let theirs = ipaddrs.get("198.19.0.209").await.expect("the apiserver's record");
+    assert_eq!(theirs.metadata.labels.unwrap_or_default().get("ipaddress.kubernetes.io/managed-by").map(String::as_str), Some("ipallocator.k8s.io"));
+
+    // With a 0s grace the (now older) leak is released, and the next dry run is clean.
+    let grace0 = [args.clone(), strs(&["--fix", "--grace-period", "0s"])].concat();
+    eventually(10, "the leak released once older than the grace period", || async {
+        let r = repair(&grace0).await;
+        r.code == 0
+    })
+    .await;
+    assert!(ipaddrs.get_opt("198.19.0.215").await.expect("get").is_none());
+    let clean = repair(&args).await;
+    assert_eq!(clean.code, 0, "{:#}", clean.json);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn audit_reports_the_apiservers_orphans_and_changes_nothing() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ghost_ns = unique_name("ghost");
+    // An IPAddress as the kube-apiserver writes them, for a Service that does not exist.
+    let obj: IPAddress = serde_json::from_value(json!({
+        "metadata": {"name": "198.19.0.250", "labels": {"ipaddress.kubernetes.io/managed-by": "ipallocator.k8s.io", "ipaddress.kubernetes.io/ip-family": "IPv4"}},
+        "spec": {"parentRef": {"group": "", "resource": "services", "namespace": ghost_ns, "name": "ghost"}}
+    }))
+    .expect("ipaddress");
+    let api: Api<IPAddress> = Api::all(client.clone());
+    let _ = api.delete("198.19.0.250", &DeleteParams::default()).await;
+    eventually(10, "a leftover 198.19.0.250 deleted", || async { api.get_opt("198.19.0.250").await.ok().flatten().is_none() }).await;
+    api.create(&PostParams::default(), &obj).await.expect("seed the apiserver's orphan");
+
+    let audit = repair(&strs(&["--audit-apiserver", "--kubeconfig", &cp.kubeconfig().display().to_string()])).await;
+    let _ = api.delete("198.19.0.250", &DeleteParams::default()).await;
+    assert_eq!(audit.code, 1, "{:#}\n{}", audit.json, audit.stderr);
+    assert_eq!(audit.json["backend"], "kube-apiserver");
+    let row = audit.finding("leak", "198.19.0.250");
+    assert_eq!(row["owner"], format!("services/{ghost_ns}/ghost"));
+    assert_eq!(row["action"], "none");
+    assert_eq!(row["result"], "not-applied");
+    assert!(audit.json["ranges"].as_array().expect("ranges").iter().any(|r| r == "198.19.0.0/16"), "{:#}", audit.json["ranges"]);
+    // --fix is refused with the audit.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
+        .args(["repair", "--audit-apiserver", "--fix"])
+        .output()
+        .await
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn import_rangeallocation_then_report() {
+    let cp = control_plane();
+    let fx = EtcdFixture::new(&cp, &["198.18.161.0/24"]);
+    // Kubernetes' legacy bitmap, JSON form: offsets 0 and 10 → 198.18.161.1 and .11.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("serviceips.json");
+    use base64::Engine as _;
+    let legacy = json!({"range": "198.18.161.0/24", "data": base64::engine::general_purpose::STANDARD.encode([0b0000_0100u8, 0b0000_0001])});
+    std::fs::write(&file, legacy.to_string()).expect("write");
+    let args = [fx.args(&cp), strs(&["--import-rangeallocation", &file.display().to_string()])].concat();
+    let run = repair(&args).await;
+    assert!(run.stderr.contains("2 addresses, 2 newly recorded"), "{}", run.stderr);
+    // No Service holds them: two leaks, reported, not released by a dry run.
+    assert_eq!(run.code, 1, "{:#}", run.json);
+    assert_eq!(run.rows(), set(&[("leak", "198.18.161.1"), ("leak", "198.18.161.11")]));
+    let store = fx.open().await;
+    assert!(store.has(ip("198.18.161.11")).await.expect("has"));
+    drop(store);
+    fx.cleanup().await;
+}
+
+#[tokio::test]
+async fn errors_exit_2_with_one_line() {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
+        .args(["repair", "--backend", "etcd", "--service-cidr", "198.18.162.0/24", "--etcd-endpoints", "http://127.0.0.1:1", "--etcd-dial-timeout", "1s"])
+        .args(["--kubeconfig", &control_plane().kubeconfig().display().to_string()])
+        .output()
+        .await
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.starts_with("error: ") && stderr.contains("etcd"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -272,6 +272,17 @@ async fn admission_cases(backend: &str) {
         .await
         .expect("ExternalName");
     assert_eq!(svc.spec.and_then(|s| s.cluster_ip), None);
+    // ExternalName turned into a ClusterIP Service: the UPDATE gets one of our addresses.
+    let mut changed = api.get("external").await.expect("get ExternalName Service");
+    if let Some(spec) = changed.spec.as_mut() {
+        spec.type_ = Some("ClusterIP".into());
+        spec.external_name = None;
+        spec.ports = Some(vec![ServicePort { port: 80, ..Default::default() }]);
+    }
+    let svc = api.replace("external", &PostParams::default(), &changed).await.expect("ExternalName to ClusterIP");
+    let got = ips(&svc);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(in_our_dynamic_band(got[0]), "{} is not in our dynamic band", got[0]);
 
     // Dual-stack: one address per family, both ours.
     let svc = api
@@ -478,4 +489,48 @@ async fn servicecidr_finalizer_ready_and_terminating() {
     // Once the address is gone, the finalizer goes and so does the ServiceCIDR.
     addrs.delete("198.18.250.10", &DeleteParams::default()).await.expect("delete IPAddress");
     poll("deleted", Box::new(|sc| sc.is_none())).await;
+}
+
+/// The Service reconciler (on the leader) records an address in our range that a Service got
+/// without our webhook (here: a namespace the webhook does not select), says so with a
+/// Warning Event in Kubernetes' words, and releases it when the Service goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn service_reconciler_records_reports_and_releases() {
+    use clusterip::store::etcd::{EtcdConfig, EtcdStore};
+    use clusterip::store::AllocationStore;
+    use k8s_openapi::api::events::v1::Event;
+    let cp = control_plane();
+    let wh = Webhook::start(&cp, "etcd").await;
+    let api: Api<Service> = Api::namespaced(wh.client.clone(), "default");
+    let name = unique_name("unrecorded");
+    let ip: IpAddr = "198.19.0.123".parse().unwrap();
+    api.create(&PostParams::default(), &service(&name, |s| s.cluster_ip = Some(ip.to_string()))).await.expect("create outside the webhook's namespaces");
+    let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
+    let store = EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(OUR_V4).unwrap(), clusterip::cidr::ServiceCidr::parse(OUR_V6).unwrap()])
+        .await
+        .expect("open the controller's records");
+    let events: Api<Event> = Api::namespaced(wh.client.clone(), "default");
+    let want = format!("Cluster IP [IPv4]: {ip} is not allocated; repairing");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let recorded = store.has(ip).await.unwrap_or(false);
+        let listed = events.list(&ListParams::default()).await.expect("list events");
+        let reported = listed.items.iter().any(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
+                && e.reason.as_deref() == Some("ClusterIPNotAllocated")
+                && e.type_.as_deref() == Some("Warning")
+                && e.note.as_deref() == Some(want.as_str())
+        });
+        if recorded && reported {
+            break;
+        }
+        assert!(Instant::now() < deadline, "within 30s: recorded={recorded}, event reported={reported}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    api.delete(&name, &DeleteParams::default()).await.expect("delete");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while store.has(ip).await.unwrap_or(true) {
+        assert!(Instant::now() < deadline, "{ip} still recorded 30s after its Service was deleted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

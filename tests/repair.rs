@@ -399,3 +399,74 @@ async fn errors_exit_2_with_one_line() {
     assert!(stderr.starts_with("error: ") && stderr.contains("etcd"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// `/metrics` of a controller, as text ("" while it is not answering).
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else { return String::new() };
+    let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf).await;
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn controller_repair_loop_releases_a_leak_after_three_passes() {
+    let cp = control_plane();
+    let fx = EtcdFixture::new(&cp, &["198.18.163.0/24"]);
+    let store = fx.open().await;
+    store.allocate(ip("198.18.163.5"), None).await.expect("seed leak");
+    let free_port = || std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
+    let (webhook_port, metrics_port) = (free_port(), free_port());
+    let lease = unique_name("repair-loop");
+    let pki = cp.dir().join("pki");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
+        .arg("controller")
+        .args(["--backend", "etcd", "--service-cidr", "198.18.163.0/24"])
+        .args(["--etcd-endpoints", &cp.etcd_endpoints().join(","), "--etcd-prefix", &fx.cfg.prefix])
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig())
+        .args(["--webhook-bind-address", &format!("127.0.0.1:{webhook_port}")])
+        .args(["--metrics-bind-address", &format!("127.0.0.1:{metrics_port}")])
+        .args(["--leader-elect-namespace", "default", "--leader-elect-lease-name", &lease])
+        .args(["--repair-interval", "1s"])
+        .arg("--tls-cert-file")
+        .arg(pki.join("webhook.crt"))
+        .arg("--tls-private-key-file")
+        .arg(pki.join("webhook.key"))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start clusterip controller");
+    let leak_series = "clusterip_repair_ip_errors_total{type=\"leak\"}";
+    // The first pass (at start) sees the leak and keeps it.
+    let mut held_after_a_pass = false;
+    let mut released_at = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let held = store.has(ip("198.18.163.5")).await.expect("has");
+        let seen = metric(&scrape(metrics_port).await, leak_series).unwrap_or(0.0);
+        if held && seen >= 1.0 {
+            held_after_a_pass = true;
+        }
+        if !held {
+            released_at = Some(seen);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let text = scrape(metrics_port).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(held_after_a_pass, "the leak was released by the first pass");
+    let seen = released_at.expect("the controller's repair loop did not release the leak within 60s");
+    assert!(seen >= 3.0, "released after {seen} pass(es) saw it leaked; want the 3rd");
+    assert_eq!(metric(&text, "clusterip_repair_reconcile_errors_total"), Some(0.0), "{text}");
+    let _ = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(cp.client().await, "default").delete(&lease, &DeleteParams::default()).await;
+    drop(store);
+    fx.cleanup().await;
+}

@@ -1,0 +1,467 @@
+//! The shipped manifests (`deploy/`): the real kube-apiserver accepts the whole kustomize
+//! tree in a server-side dry run (schema, defaulting, RBAC escalation checks, PodSecurity,
+//! admission), every object the tree should hold is in it, and the controller's RBAC is
+//! least privilege. Also: the cert-manager component renders, and
+//! `scripts/gen-webhook-certs.sh` makes a serving certificate that verifies for the webhook
+//! Service.
+//!
+//! Namespace handling, honestly: a server dry run persists nothing, so the objects that live
+//! in `clusterip-system` are rejected ("namespaces clusterip-system not found") when the
+//! Namespace itself is only dry-run in the same apply. The test therefore creates the
+//! Namespace for real first, from `deploy/namespace.yaml` (so its PodSecurity labels are
+//! live and the Deployment is checked against them), dry-runs the whole tree — Namespace
+//! included — and deletes the Namespace afterwards. The dev cluster runs no
+//! kube-controller-manager, so a deleted namespace would stay Terminating forever; once the
+//! test has waited a little, it finalizes the namespace itself (PUT .../finalize), which is
+//! safe because a dry run left nothing inside. A namespace that already existed and is
+//! Active (a real install) is used as it is and left alone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use clusterip_test_support::{control_plane, kubectl_path, repo_root, ControlPlane};
+use serde_json::Value;
+
+const NS: &str = "clusterip-system";
+const SECRET: &str = "clusterip-webhook-tls";
+const LEASE: &str = "clusterip-controller";
+
+fn text(out: &Output) -> String {
+    format!("status {}\nstdout:\n{}\nstderr:\n{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+fn run_with_stdin(mut cmd: Command, stdin: &[u8]) -> Output {
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+    child.stdin.take().expect("stdin").write_all(stdin).expect("write stdin");
+    child.wait_with_output().expect("wait")
+}
+
+/// The phase of the namespace, None when it does not exist.
+fn namespace_phase(cp: &ControlPlane) -> Option<String> {
+    let out = cp.kubectl().args(["get", "namespace", NS, "-o", "jsonpath={.status.phase}"]).output().expect("kubectl get namespace");
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("NotFound") || err.contains("not found"), "kubectl get namespace {NS}: {}", text(&out));
+        return None;
+    }
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Remove the `kubernetes` finalizer of a Terminating namespace (what the namespace
+/// controller does once the namespace is empty) and wait until it is gone.
+fn finalize_namespace(cp: &ControlPlane) {
+    let out = cp.kubectl().args(["get", "namespace", NS, "-o", "json"]).output().expect("kubectl get namespace");
+    if !out.status.success() {
+        return;
+    }
+    let mut ns: Value = serde_json::from_slice(&out.stdout).expect("namespace JSON");
+    ns["spec"]["finalizers"] = Value::Array(vec![]);
+    let mut cmd = cp.kubectl();
+    cmd.args(["replace", "--raw", &format!("/api/v1/namespaces/{NS}/finalize"), "-f", "-"]);
+    let out = run_with_stdin(cmd, ns.to_string().as_bytes());
+    if !out.status.success() {
+        eprintln!("deploy test: finalizing namespace {NS} failed: {}", text(&out));
+    }
+    wait_gone(cp, Duration::from_secs(10));
+}
+
+fn wait_gone(cp: &ControlPlane, limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if namespace_phase(cp).is_none() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// The namespace for the dry run; deleted on drop if this test made it (failed test too).
+struct TestNamespace<'a> {
+    cp: &'a ControlPlane,
+    made_here: bool,
+}
+
+impl<'a> TestNamespace<'a> {
+    fn prepare(cp: &'a ControlPlane) -> Self {
+        match namespace_phase(cp).as_deref() {
+            Some("Active") => {
+                eprintln!("deploy test: namespace {NS} already exists and is Active; using it and leaving it in place");
+                return Self { cp, made_here: false };
+            }
+            Some(phase) => {
+                // Left Terminating by an earlier, interrupted run (no namespace controller here).
+                eprintln!("deploy test: namespace {NS} is {phase}; finalizing it before starting");
+                finalize_namespace(cp);
+                assert!(namespace_phase(cp).is_none(), "namespace {NS} is still there after finalizing it");
+            }
+            None => {}
+        }
+        let guard = Self { cp, made_here: true };
+        let ns_file = repo_root().join("deploy/namespace.yaml");
+        let out = cp.kubectl().args(["apply", "-f"]).arg(&ns_file).output().expect("kubectl apply namespace");
+        assert!(out.status.success(), "creating namespace {NS} for real: {}", text(&out));
+        guard
+    }
+}
+
+impl Drop for TestNamespace<'_> {
+    fn drop(&mut self) {
+        if !self.made_here {
+            return;
+        }
+        let _ = self.cp.kubectl().args(["delete", "namespace", NS, "--wait=false", "--ignore-not-found"]).output();
+        // A cluster with a namespace controller removes it by itself; the dev cluster has none.
+        if !wait_gone(self.cp, Duration::from_secs(3)) {
+            finalize_namespace(self.cp);
+        }
+        if namespace_phase(self.cp).is_some() {
+            eprintln!("deploy test: WARNING: namespace {NS} could not be removed");
+        }
+    }
+}
+
+fn key(obj: &Value) -> (String, String, String) {
+    let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+    (s(&obj["kind"]), s(&obj["metadata"]["namespace"]), s(&obj["metadata"]["name"]))
+}
+
+fn find<'v>(items: &'v [Value], kind: &str, namespace: &str, name: &str) -> &'v Value {
+    items
+        .iter()
+        .find(|o| key(o) == (kind.to_string(), namespace.to_string(), name.to_string()))
+        .unwrap_or_else(|| panic!("{kind} {namespace}/{name} missing from the dry-run output"))
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect()).unwrap_or_default()
+}
+
+/// No `*` anywhere in a Role's or ClusterRole's rules, and no non-resource URLs.
+fn assert_no_wildcards(role: &Value) {
+    let (kind, ns, name) = key(role);
+    for rule in role["rules"].as_array().expect("rules") {
+        for field in ["verbs", "resources", "apiGroups", "resourceNames"] {
+            let values = strings(&rule[field]);
+            assert!(!values.iter().any(|v| v.contains('*')), "{kind} {ns}/{name}: wildcard in {field}: {rule}");
+        }
+        assert!(rule.get("nonResourceURLs").is_none(), "{kind} {ns}/{name}: nonResourceURLs granted: {rule}");
+    }
+}
+
+/// (apiGroup, resource) → verbs, merged over rules.
+fn grants(role: &Value) -> BTreeMap<(String, String), BTreeSet<String>> {
+    let mut map: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+    for rule in role["rules"].as_array().expect("rules") {
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                map.entry((group.clone(), resource)).or_default().extend(strings(&rule["verbs"]));
+            }
+        }
+    }
+    map
+}
+
+fn expect_grants(entries: &[(&str, &str, &[&str])]) -> BTreeMap<(String, String), BTreeSet<String>> {
+    entries
+        .iter()
+        .map(|(g, r, verbs)| ((g.to_string(), r.to_string()), verbs.iter().map(|v| v.to_string()).collect()))
+        .collect()
+}
+
+/// Make a serving certificate with the script into `dir`; returns the Secret manifest it prints.
+fn gen_certs(dir: &Path) -> String {
+    let out = Command::new(repo_root().join("scripts/gen-webhook-certs.sh"))
+        .arg("--dir")
+        .arg(dir)
+        .output()
+        .expect("run scripts/gen-webhook-certs.sh");
+    assert!(out.status.success(), "gen-webhook-certs.sh: {}", text(&out));
+    String::from_utf8(out.stdout).expect("UTF-8 manifest")
+}
+
+#[test]
+fn deploy_tree_passes_a_server_side_dry_run() {
+    let cp = control_plane();
+    let ns = TestNamespace::prepare(&cp);
+
+    let out = cp
+        .kubectl()
+        .current_dir(repo_root())
+        .args(["apply", "--dry-run=server", "-k", "deploy/", "-o", "json"])
+        .output()
+        .expect("run kubectl apply -k deploy/");
+    assert!(out.status.success(), "kubectl apply --dry-run=server -k deploy/ failed: {}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("PodSecurity"), "the manifests violate the namespace's Pod Security level: {stderr}");
+    let list: Value = serde_json::from_slice(&out.stdout).expect("kubectl -o json output");
+    let items = list["items"].as_array().expect("a List of objects").clone();
+
+    // Every object the tree should hold, and nothing unexpected.
+    let expected: BTreeSet<(String, String, String)> = [
+        ("Namespace", "", NS),
+        ("ServiceAccount", NS, "clusterip-controller"),
+        ("ClusterRole", "", "clusterip-controller"),
+        ("ClusterRoleBinding", "", "clusterip-controller"),
+        ("Role", NS, "clusterip-controller-leases"),
+        ("RoleBinding", NS, "clusterip-controller-leases"),
+        ("Deployment", NS, "clusterip-controller"),
+        ("PodDisruptionBudget", NS, "clusterip-controller"),
+        ("Service", NS, "clusterip-webhook"),
+        ("MutatingWebhookConfiguration", "", "clusterip"),
+        ("ValidatingWebhookConfiguration", "", "clusterip"),
+        // The node agent (deploy/agent), included as a resource.
+        ("ServiceAccount", "kube-system", "clusterip-agent"),
+        ("ClusterRole", "", "clusterip-agent"),
+        ("ClusterRoleBinding", "", "clusterip-agent"),
+        ("DaemonSet", "kube-system", "clusterip-agent"),
+    ]
+    .iter()
+    .map(|(k, n, m)| (k.to_string(), n.to_string(), m.to_string()))
+    .collect();
+    let got: BTreeSet<_> = items.iter().map(key).collect();
+    assert_eq!(got, expected, "objects in the dry-run output");
+
+    // RBAC: no wildcards anywhere; the controller's grants are exactly what its code calls.
+    for role in items.iter().filter(|o| matches!(o["kind"].as_str(), Some("ClusterRole" | "Role"))) {
+        assert_no_wildcards(role);
+    }
+    let controller_role = find(&items, "ClusterRole", "", "clusterip-controller");
+    assert_eq!(
+        grants(controller_role),
+        expect_grants(&[
+            ("", "services", &["get", "list", "watch"]),
+            ("networking.k8s.io", "servicecidrs", &["get", "list", "watch", "patch"]),
+            ("networking.k8s.io", "servicecidrs/status", &["patch"]),
+            ("networking.k8s.io", "ipaddresses", &["get", "list", "watch", "create", "delete"]),
+            ("events.k8s.io", "events", &["create", "patch"]),
+        ]),
+        "controller ClusterRole"
+    );
+    let lease_role = find(&items, "Role", NS, "clusterip-controller-leases");
+    // Leader election and (ipaddress backend) per-address reservation Leases.
+    assert_eq!(
+        grants(lease_role),
+        expect_grants(&[("coordination.k8s.io", "leases", &["get", "list", "create", "delete", "update"])]),
+        "lease Role"
+    );
+    // update only on the leader Lease (reservations are created and deleted, never updated).
+    for rule in lease_role["rules"].as_array().expect("rules") {
+        if strings(&rule["verbs"]).iter().any(|v| v == "update") {
+            assert_eq!(strings(&rule["resourceNames"]), vec![LEASE.to_string()], "update not narrowed to the leader Lease: {rule}");
+        }
+    }
+    for binding in [find(&items, "ClusterRoleBinding", "", "clusterip-controller"), find(&items, "RoleBinding", NS, "clusterip-controller-leases")] {
+        let subjects = binding["subjects"].as_array().expect("subjects");
+        assert_eq!(subjects.len(), 1, "{binding}");
+        assert_eq!((subjects[0]["kind"].as_str(), subjects[0]["namespace"].as_str(), subjects[0]["name"].as_str()), (Some("ServiceAccount"), Some(NS), Some("clusterip-controller")));
+    }
+
+    // The Deployment.
+    let deploy = find(&items, "Deployment", NS, "clusterip-controller");
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    let pod = &deploy["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "clusterip-controller");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault");
+    assert!(pod["affinity"]["podAntiAffinity"].is_object(), "pod anti-affinity: {pod}");
+    let containers = pod["containers"].as_array().expect("containers");
+    assert_eq!(containers.len(), 1);
+    let c = &containers[0];
+    assert_eq!(c["image"], "clusterip:dev");
+    let sc = &c["securityContext"];
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(strings(&sc["capabilities"]["drop"]), vec!["ALL".to_string()]);
+    assert!(sc["capabilities"].get("add").is_none(), "no capability added: {sc}");
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+    for what in ["requests", "limits"] {
+        for res in ["cpu", "memory"] {
+            assert!(c["resources"][what][res].is_string(), "resources.{what}.{res} missing: {}", c["resources"]);
+        }
+    }
+    let args = strings(&c["args"]);
+    assert_eq!(args.first().map(String::as_str), Some("controller"), "{args:?}");
+    assert!(args.contains(&format!("--leader-elect-lease-name={LEASE}")), "the Lease the Role names: {args:?}");
+    let port_of = |name: &str| {
+        c["ports"].as_array().expect("ports").iter().find(|p| p["name"] == name).unwrap_or_else(|| panic!("container port {name}"))["containerPort"]
+            .as_i64()
+            .expect("containerPort")
+    };
+    let (webhook_port, metrics_port) = (port_of("webhook"), port_of("metrics"));
+    assert!(args.contains(&format!("--webhook-bind-address=0.0.0.0:{webhook_port}")), "{args:?}");
+    assert!(args.contains(&format!("--metrics-bind-address=0.0.0.0:{metrics_port}")), "{args:?}");
+    for (probe, path) in [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz"), ("startupProbe", "/healthz")] {
+        assert_eq!(c[probe]["httpGet"]["path"], path, "{probe}");
+        assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe} on the metrics port");
+    }
+    let env: BTreeMap<String, String> = c["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.to_string(), e["valueFrom"]["fieldRef"]["fieldPath"].as_str()?.to_string())))
+        .collect();
+    assert_eq!(env.get("POD_NAME").map(String::as_str), Some("metadata.name"));
+    assert_eq!(env.get("POD_NAMESPACE").map(String::as_str), Some("metadata.namespace"));
+    // The serving certificate: the Secret, mounted where --tls-*-file point.
+    let volume = pod["volumes"].as_array().expect("volumes").iter().find(|v| v["secret"]["secretName"] == SECRET).expect("Secret volume");
+    let mount = c["volumeMounts"].as_array().expect("mounts").iter().find(|m| m["name"] == volume["name"]).expect("Secret mounted");
+    let dir = mount["mountPath"].as_str().expect("mountPath");
+    assert!(args.contains(&format!("--tls-cert-file={dir}/tls.crt")), "{args:?}");
+    assert!(args.contains(&format!("--tls-private-key-file={dir}/tls.key")), "{args:?}");
+
+    let pdb = find(&items, "PodDisruptionBudget", NS, "clusterip-controller");
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    assert_eq!(pdb["spec"]["selector"]["matchLabels"], deploy["spec"]["selector"]["matchLabels"]);
+
+    // The webhook Service: 443 → the container's webhook port.
+    let svc = find(&items, "Service", NS, "clusterip-webhook");
+    assert_eq!(svc["spec"]["selector"], deploy["spec"]["selector"]["matchLabels"]);
+    let https = svc["spec"]["ports"].as_array().expect("ports").iter().find(|p| p["port"] == 443).expect("port 443");
+    assert_eq!(https["targetPort"], "webhook");
+
+    // Both webhook configurations.
+    for (kind, path, side_effects) in [("MutatingWebhookConfiguration", "/mutate", "NoneOnDryRun"), ("ValidatingWebhookConfiguration", "/validate", "None")] {
+        let cfg = find(&items, kind, "", "clusterip");
+        let hooks = cfg["webhooks"].as_array().expect("webhooks");
+        assert_eq!(hooks.len(), 1, "{kind}");
+        let h = &hooks[0];
+        assert_eq!(h["failurePolicy"], "Fail", "{kind}");
+        assert_eq!(h["sideEffects"], side_effects, "{kind}");
+        assert_eq!(h["timeoutSeconds"], 5, "{kind}");
+        assert_eq!(strings(&h["admissionReviewVersions"]), vec!["v1".to_string()], "{kind}");
+        let svc_ref = &h["clientConfig"]["service"];
+        assert_eq!((svc_ref["namespace"].as_str(), svc_ref["name"].as_str(), svc_ref["path"].as_str()), (Some(NS), Some("clusterip-webhook"), Some(path)), "{kind}");
+        assert_eq!(svc_ref["port"], 443, "{kind}");
+        let rules = h["rules"].as_array().expect("rules");
+        assert_eq!(rules.len(), 1, "{kind}");
+        assert_eq!(strings(&rules[0]["resources"]), vec!["services".to_string()], "{kind}");
+        assert_eq!(strings(&rules[0]["apiGroups"]), vec![String::new()], "{kind}");
+        assert_eq!(strings(&rules[0]["operations"]).into_iter().collect::<BTreeSet<_>>(), ["CREATE", "UPDATE"].iter().map(|s| s.to_string()).collect(), "{kind}");
+        let exprs = h["namespaceSelector"]["matchExpressions"].as_array().expect("namespaceSelector");
+        let excluded = exprs
+            .iter()
+            .find(|e| e["key"] == "kubernetes.io/metadata.name" && e["operator"] == "NotIn")
+            .map(|e| strings(&e["values"]))
+            .unwrap_or_default();
+        for system in ["kube-system", NS] {
+            assert!(excluded.iter().any(|v| v == system), "{kind}: {system} not excluded: {exprs:?}");
+        }
+    }
+
+    // The Secret the script makes is accepted in that namespace too.
+    let certs = tempfile::tempdir().expect("tempdir");
+    let manifest = gen_certs(&certs.path().join("certs"));
+    let mut cmd = cp.kubectl();
+    cmd.args(["apply", "--dry-run=server", "-f", "-"]);
+    let out = run_with_stdin(cmd, manifest.as_bytes());
+    assert!(out.status.success(), "the script's Secret: {}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("secret/{SECRET}")), "{}", text(&out));
+
+    drop(ns);
+    if namespace_phase(&cp).is_some() && !matches!(namespace_phase(&cp).as_deref(), Some("Active")) {
+        panic!("namespace {NS} was not cleaned up");
+    }
+}
+
+/// A path from `from` (a directory) to `to`, both absolute: kustomize refuses absolute
+/// resource paths.
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let from: Vec<Component> = from.components().collect();
+    let to: Vec<Component> = to.components().collect();
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut path = PathBuf::new();
+    for _ in common..from.len() {
+        path.push("..");
+    }
+    for c in &to[common..] {
+        path.push(c.as_os_str());
+    }
+    path
+}
+
+#[test]
+fn cert_manager_component_renders() {
+    // An overlay outside deploy/ (inside it kustomize sees a cycle), as docs/operations.md says.
+    let overlay = tempfile::tempdir().expect("tempdir");
+    let root = repo_root();
+    let rel = relative(&overlay.path().canonicalize().expect("canonical tempdir"), &root);
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{0}/deploy]\ncomponents: [{0}/deploy/cert-manager]\n",
+            rel.display()
+        ),
+    )
+    .expect("write overlay");
+    let out = Command::new(kubectl_path()).arg("kustomize").arg(overlay.path()).output().expect("run kubectl kustomize");
+    assert!(out.status.success(), "kubectl kustomize (deploy + cert-manager component): {}", text(&out));
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "kind: Issuer",
+        "kind: Certificate",
+        "name: clusterip-webhook\n  namespace: clusterip-system",
+        &format!("secretName: {SECRET}"),
+        "- clusterip-webhook.clusterip-system.svc\n",
+    ] {
+        assert!(yaml.contains(needle), "{needle:?} missing from the rendered tree:\n{yaml}");
+    }
+    assert_eq!(
+        yaml.matches("cert-manager.io/inject-ca-from: clusterip-system/clusterip-webhook").count(),
+        2,
+        "the cainjector annotation on both webhook configurations:\n{yaml}"
+    );
+
+    // And the default tree (no component) has neither.
+    let out = Command::new(kubectl_path()).arg("kustomize").arg(root.join("deploy")).output().expect("run kubectl kustomize");
+    assert!(out.status.success(), "kubectl kustomize deploy/: {}", text(&out));
+    let plain = String::from_utf8_lossy(&out.stdout);
+    assert!(!plain.contains("cert-manager.io") && !plain.contains("kind: Certificate"), "deploy/ pulls in cert-manager:\n{plain}");
+}
+
+#[test]
+fn gen_webhook_certs_makes_a_serving_cert_for_the_service() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("certs");
+    let manifest = gen_certs(&dir);
+    for needle in ["kind: Secret", &format!("name: {SECRET}"), "namespace: clusterip-system", "type: kubernetes.io/tls", "tls.crt: ", "tls.key: ", "ca.crt: "] {
+        assert!(manifest.contains(needle), "{needle:?} missing from the Secret manifest:\n{manifest}");
+    }
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).current_dir(&dir).output().expect("run openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", text(&out));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    openssl(&["verify", "-CAfile", "ca.crt", "tls.crt"]);
+    let ext = openssl(&["x509", "-in", "tls.crt", "-noout", "-ext", "subjectAltName,extendedKeyUsage"]);
+    assert!(ext.contains("DNS:clusterip-webhook.clusterip-system.svc,"), "{ext}");
+    assert!(ext.contains("DNS:clusterip-webhook.clusterip-system.svc.cluster.local"), "{ext}");
+    assert!(ext.contains("TLS Web Server Authentication"), "{ext}");
+
+    // A second run renews the serving certificate under the same CA: the caBundle stays.
+    let bundle = |extra: &[&str]| {
+        let out = Command::new(repo_root().join("scripts/gen-webhook-certs.sh"))
+            .arg("--dir")
+            .arg(&dir)
+            .args(extra)
+            .arg("--print-ca-bundle")
+            .output()
+            .expect("run gen-webhook-certs.sh");
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let first = bundle(&[]);
+    let cert_before = std::fs::read(dir.join("tls.crt")).expect("tls.crt");
+    assert_eq!(bundle(&[]), first, "renewal changed the CA");
+    assert_ne!(std::fs::read(dir.join("tls.crt")).expect("tls.crt"), cert_before, "the serving certificate was not renewed");
+    // A new CA keeps the previous one in the bundle during the rollover.
+    let rolled = bundle(&["--new-ca"]);
+    assert_ne!(rolled, first);
+    openssl(&["verify", "-CAfile", "ca.crt", "tls.crt"]);
+    let pem = String::from_utf8(std::fs::read(dir.join("ca-bundle.crt")).expect("ca-bundle.crt")).expect("PEM");
+    assert_eq!(pem.matches("BEGIN CERTIFICATE").count(), 2, "{pem}");
+}

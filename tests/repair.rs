@@ -433,7 +433,7 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
         .args(["--webhook-bind-address", &format!("127.0.0.1:{webhook_port}")])
         .args(["--metrics-bind-address", &format!("127.0.0.1:{metrics_port}")])
         .args(["--leader-elect-namespace", "default", "--leader-elect-lease-name", &lease])
-        .args(["--repair-interval", "1s"])
+        .args(["--repair-interval", "3s"])
         .arg("--tls-cert-file")
         .arg(pki.join("webhook.crt"))
         .arg("--tls-private-key-file")

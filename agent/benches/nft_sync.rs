@@ -75,7 +75,7 @@ struct Netns(String);
 impl Netns {
     fn new(tag: &str) -> Netns {
         let name = format!("cipbench-{tag}-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).status();
+        let _ = Command::new("ip").args(["netns", "del", &name]).stderr(Stdio::null()).status();
         let ok = Command::new("ip").args(["netns", "add", &name]).status().map(|s| s.success()).unwrap_or(false);
         assert!(ok, "ip netns add {name}");
         let _ = Command::new("ip").args(["netns", "exec", &name, "ip", "link", "set", "lo", "up"]).status();

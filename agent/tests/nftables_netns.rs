@@ -223,7 +223,7 @@ fn udp_conntrack_entries_of_removed_endpoints_are_flushed() {
 
 #[test]
 fn rules_changed_behind_our_back_are_repaired() {
-    let s = setup(1, &["--sync-period", "2s"]);
+    let s = setup(1, &["--sync-period", "2s", "--verify-period", "1s"]);
     let svc = s.kns.service(&s.agent.proxy_name, "drift", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
     let vip = cluster_ip(&svc, false);
     s.kns.slice("drift", "drift-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);

@@ -30,11 +30,18 @@ fn nsn<K: ResourceExt>(o: &K) -> NamespacedName {
     NamespacedName::new(o.namespace().unwrap_or_else(|| "default".into()), o.name_any())
 }
 
+/// Drop what the agent never reads (managed fields, kubectl's last-applied copy) as objects
+/// arrive: a re-list buffers every object until the list is complete.
+fn slim<K: ResourceExt>(o: &mut K) {
+    o.managed_fields_mut().clear();
+    o.annotations_mut().remove("kubectl.kubernetes.io/last-applied-configuration");
+}
+
 /// Watch Services until the stream ends (it retries with backoff on errors).
 pub async fn services(client: Client, shared: Arc<Shared>, proxy_name: Option<String>) {
     let api: Api<Service> = Api::all(client);
     let cfg = watcher::Config::default().labels(&service_selector(proxy_name.as_deref()));
-    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut stream = watcher::watcher(api, cfg).default_backoff().modify(slim).boxed();
     let mut buffer = Vec::new();
     while let Some(ev) = stream.next().await {
         match ev {
@@ -59,7 +66,7 @@ pub async fn services(client: Client, shared: Arc<Shared>, proxy_name: Option<St
 pub async fn endpoint_slices(client: Client, shared: Arc<Shared>) {
     let api: Api<EndpointSlice> = Api::all(client);
     let cfg = watcher::Config::default().labels(&format!("!{HEADLESS_LABEL}"));
-    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut stream = watcher::watcher(api, cfg).default_backoff().modify(slim).boxed();
     let mut buffer = Vec::new();
     while let Some(ev) = stream.next().await {
         match ev {

@@ -18,7 +18,9 @@
 #   BENCH_BUILD_KUBE_PROXY=1  build kube-proxy first when it is missing (slow)
 #
 # Prints lines "RESULT <workload> ours_s=<> kube_proxy_s=<> ratio=<>" (ratio = kube-proxy / ours)
-# and "RESULT peak_memory_<n> ours_mib=<> kube_proxy_mib=<> ratio=<>". Must run as root.
+# and "RESULT peak_memory_<n> ours_mib=<> kube_proxy_mib=<> ratio=<>", then the per-connection
+# cost through a VIP with 1 and 10k Services (agent/benches/vip_connect.rs, ours only):
+# "RESULT vip_connect_<n>_services median_us=<> p90_us=<> ratio_to_1=<>". Must run as root.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -52,3 +54,4 @@ cargo bench -p clusterip-agent --bench nft_sync -- \
   --agent "$CARGO_TARGET_DIR/release/clusterip-agent" \
   --kube-proxy "$kube_proxy" \
   --sizes "$sizes" --endpoints "$endpoints" --change-at "$change_at" --timeout-s "$timeout_s"
+cargo bench -p clusterip-agent --bench vip_connect

@@ -99,7 +99,11 @@ pub fn run(shared: Arc<Shared>, mut proxier: Box<dyn Proxier>, exec: Executor, c
             }
             let now = Instant::now();
             let initialized = c.services_synced && c.slices_synced;
-            let earliest = last_end.map_or(now, |t| t + cfg.min_sync_period);
+            let mut earliest = last_end.map_or(now, |t| t + cfg.min_sync_period);
+            if let Some(r) = retry_at {
+                // After a failure, wait for the backoff even if changes are pending.
+                earliest = earliest.max(r);
+            }
             let full_due = now >= next_full || retry_at.is_some_and(|r| now >= r);
             let wanted = initialized && (c.state.has_changes() || full_due);
             if wanted && now >= earliest {
@@ -193,11 +197,120 @@ pub fn run(shared: Arc<Shared>, mut proxier: Box<dyn Proxier>, exec: Executor, c
             Err(e) => {
                 shared.metrics.sync_failures.inc();
                 tracing::error!(error = %e, retry_in = ?backoff, "sync failed");
-                shared.lock().state.restore_changes(changes);
+                {
+                    // The dataplane rebuilds after a failure: the retry must carry every Service.
+                    let mut c = shared.lock();
+                    c.state.restore_changes(changes);
+                    c.state.request_full();
+                }
                 retry_at = Some(Instant::now() + backoff);
                 backoff = (backoff * 2).min(cfg.sync_period.max(Duration::from_secs(1)));
             }
         }
         last_end = Some(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::state::NodeInfo;
+    use crate::proxier::{DataplaneError, SyncReport};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Records (full, number of Services) per sync; fails the first `fail_first` syncs.
+    struct Fake {
+        calls: Arc<Mutex<Vec<(bool, usize)>>>,
+        fail_first: Arc<AtomicUsize>,
+    }
+
+    impl Proxier for Fake {
+        fn sync(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
+            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push((batch.full, batch.services.len()));
+            if self.fail_first.load(Ordering::SeqCst) > 0 {
+                self.fail_first.fetch_sub(1, Ordering::SeqCst);
+                return Err(DataplaneError::Listing("injected failure".into()));
+            }
+            Ok(SyncReport::default())
+        }
+        fn verify(&mut self) -> Result<Vec<String>, DataplaneError> {
+            Ok(vec![])
+        }
+        fn cleanup(&mut self) -> Result<(), DataplaneError> {
+            Ok(())
+        }
+        fn mode(&self) -> &'static str {
+            "fake"
+        }
+    }
+
+    fn svc(i: usize) -> k8s_openapi::api::core::v1::Service {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": format!("s{i}"), "namespace": "n"},
+            "spec": {"clusterIP": format!("198.19.0.{}", i % 250 + 1), "ports": [{"port": 80}]}}))
+        .expect("svc")
+    }
+
+    fn start(fail_first: usize, min: Duration) -> (Arc<Shared>, Arc<Mutex<Vec<(bool, usize)>>>, std::thread::JoinHandle<()>) {
+        let shared = Shared::new(ProxyState::new(NodeInfo::default(), None), ProxyHealth::new(Duration::from_secs(60)), Metrics::new());
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { calls: calls.clone(), fail_first: Arc::new(AtomicUsize::new(fail_first)) };
+        let cfg = SyncConfig { min_sync_period: min, sync_period: Duration::from_secs(3600), verify_period: None };
+        let s = shared.clone();
+        let h = std::thread::spawn(move || run(s, Box::new(fake), Executor::host(), cfg));
+        (shared, calls, h)
+    }
+
+    fn wait(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn nothing_runs_before_both_lists_then_changes_are_coalesced() {
+        let (shared, calls, h) = start(0, Duration::from_millis(300));
+        shared.update(|c| {
+            c.services_synced = true;
+            c.state.apply_service(&svc(0))
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(calls.lock().expect("calls").is_empty(), "no sync before EndpointSlices are listed");
+        shared.update(|c| {
+            c.slices_synced = true;
+            true
+        });
+        wait("the first (full) sync", || !calls.lock().expect("calls").is_empty());
+        // 50 changes within the min sync period: at most two more syncs.
+        for i in 1..=50 {
+            shared.update(|c| c.state.apply_service(&svc(i)));
+        }
+        wait("all changes programmed", || shared.lock().syncs >= 2 && !shared.lock().state.has_changes());
+        let c = calls.lock().expect("calls").clone();
+        shared.shutdown();
+        let _ = h.join();
+        assert_eq!(c[0], (true, 1), "first sync is full with what was listed: {c:?}");
+        assert!(c.len() <= 3, "changes were coalesced: {c:?}");
+        assert_eq!(c[1..].iter().map(|x| x.1).sum::<usize>(), 50, "every changed Service synced once: {c:?}");
+    }
+
+    #[test]
+    fn a_failed_sync_is_retried_as_a_full_one() {
+        let (shared, calls, h) = start(1, Duration::from_millis(10));
+        let t0 = Instant::now();
+        shared.update(|c| {
+            c.services_synced = true;
+            c.slices_synced = true;
+            c.state.apply_service(&svc(0))
+        });
+        wait("a successful sync after the failure", || shared.lock().syncs >= 1);
+        let c = calls.lock().expect("calls").clone();
+        shared.shutdown();
+        let _ = h.join();
+        assert!(c.len() >= 2, "{c:?}");
+        assert!(c[1].0, "the retry is a full sync: {c:?}");
+        assert!(t0.elapsed() >= Duration::from_millis(900), "the retry waited for the 1 s backoff");
+        assert_eq!(shared.metrics.sync_failures.get(), 1);
     }
 }

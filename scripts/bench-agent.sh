@@ -20,7 +20,9 @@
 # Prints lines "RESULT <workload> ours_s=<> kube_proxy_s=<> ratio=<>" (ratio = kube-proxy / ours)
 # and "RESULT peak_memory_<n> ours_mib=<> kube_proxy_mib=<> ratio=<>", then the per-connection
 # cost through a VIP with 1 and 10k Services (agent/benches/vip_connect.rs, ours only):
-# "RESULT vip_connect_<n>_services median_us=<> p90_us=<> ratio_to_1=<>". Must run as root.
+# "RESULT vip_connect_<n>_services median_us=<> p90_us=<> ratio_to_1=<>", and the dataplane
+# alone on synthetic Services (agent/benches/synthetic_sync.rs):
+# "RESULT synthetic_full_sync_<n>x10 ours_s=<>". Must run as root.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -55,3 +57,5 @@ cargo bench -p clusterip-agent --bench nft_sync -- \
   --kube-proxy "$kube_proxy" \
   --sizes "$sizes" --endpoints "$endpoints" --change-at "$change_at" --timeout-s "$timeout_s"
 cargo bench -p clusterip-agent --bench vip_connect
+# The dataplane alone on synthetic Services (no API server): same sizes.
+cargo bench -p clusterip-agent --bench synthetic_sync -- "$sizes"

@@ -1,0 +1,60 @@
+//! The nftables dataplane alone (no API server, no kube-proxy): full sync of N synthetic
+//! Services × 10 endpoints into a fresh network namespace, then one changed Service.
+//! For sizes where loading the API server is too slow for `nft_sync`.
+//!
+//! `cargo bench -p clusterip-agent --bench synthetic_sync -- 10000,50000`
+//! prints `RESULT synthetic_full_sync_<n>x10 ours_s=<>` and `RESULT synthetic_one_change_at_<n> ours_s=<>`.
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use std::net::IpAddr;
+use std::time::Instant;
+
+use clusterip_agent::model::service::ServicePort;
+use clusterip_agent::model::state::DesiredPort;
+use clusterip_agent::model::topology::Categorized;
+use clusterip_agent::model::{Endpoint, NamespacedName, Protocol};
+use clusterip_agent::netns::Executor;
+use clusterip_agent::nftables::render::RenderOptions;
+use clusterip_agent::nftables::{NftablesProxier, DEFAULT_MAX_OPS};
+use clusterip_agent::proxier::{Proxier, SyncBatch};
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("ip")
+}
+
+fn service(i: usize, generation: usize) -> (NamespacedName, Vec<DesiredPort>) {
+    let vip = ip(&format!("198.19.{}.{}", i / 250, i % 250 + 1));
+    let sp = ServicePort::cluster_ip("bench", &format!("s{i}"), "http", Protocol::Tcp, vip, 80);
+    let eps: Vec<Endpoint> = (0..10)
+        .map(|j| {
+            let n = 1024 + ((i * 10 + j + generation * 7) % 120_000);
+            Endpoint::ready(ip(&format!("198.{}.{}.{}", 18 + (n >> 16), (n >> 8) & 255, n & 255)), 8080)
+        })
+        .collect();
+    (NamespacedName::new("bench", format!("s{i}")), vec![DesiredPort { port: sp, v4: Categorized { cluster: eps, local: vec![], has_any: true }, v6: Categorized::default() }])
+}
+
+fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_else(|| "1000,10000".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    for n in sizes {
+        let ns = common::Netns::new("cipsyn");
+        let exec = Executor::in_netns(&ns.name).expect("netns");
+        let mut p = NftablesProxier::new(exec, RenderOptions::default(), DEFAULT_MAX_OPS);
+        let services: Vec<_> = (0..n).map(|i| service(i, 0)).collect();
+        let t = Instant::now();
+        let r = p.sync(&SyncBatch { full: true, services }).expect("full sync");
+        println!("RESULT synthetic_full_sync_{n}x10 ours_s={:.3} transactions={} operations={}", t.elapsed().as_secs_f64(), r.transactions, r.operations);
+        let t = Instant::now();
+        p.sync(&SyncBatch { full: false, services: vec![service(n / 2, 1)] }).expect("partial sync");
+        println!("RESULT synthetic_one_change_at_{n} ours_s={:.3}", t.elapsed().as_secs_f64());
+    }
+}

@@ -307,3 +307,62 @@ fn healthz_livez_and_metrics() {
     assert_eq!(http_get(mp, "/nope").map(|r| r.0), Some(404));
     s.agent.assert_no_sync_failures();
 }
+
+#[test]
+fn external_ip_reaches_the_service() {
+    let s = setup(2, &[]);
+    s.kns.service(
+        &s.agent.proxy_name,
+        "ext",
+        json!({"externalIPs": ["198.18.9.9"], "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
+    );
+    let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
+    s.kns.slice("ext", "ext-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    let who = wait_reachable(&s.topo, sa("198.18.9.9", 80));
+    assert!(who == "b0" || who == "b1", "{who}");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn hairpin_a_backend_reaching_itself_through_the_vip() {
+    let s = setup(1, &[]);
+    let svc = s.kns.service(&s.agent.proxy_name, "hp", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
+    let vip = cluster_ip(&svc, false);
+    // The only endpoint is on this node: the backend connecting to the VIP lands on itself,
+    // which works only if the connection is masqueraded (hairpin).
+    let mut ep = Ep::ready(&Topology::backend_ip(0));
+    ep.node = Some(s.agent.node_name.clone());
+    s.kns.slice("hp", "hp-1", "IPv4", "", "TCP", TCP_PORT, &[ep]);
+    wait_reachable(&s.topo, sa(&vip, 80));
+    let b0 = s.topo.backends[0].name.clone();
+    let who = wait_for("the backend to reach itself through the VIP", SYNC, || {
+        tcp_get_in(&b0, sa(&vip, 80), Duration::from_millis(500)).ok()
+    });
+    assert_eq!(who, "b0");
+    s.agent.assert_no_sync_failures();
+}
+
+#[test]
+fn load_balancer_source_ranges_are_enforced() {
+    use k8s_openapi::api::core::v1::Service;
+    use kube::api::{Patch, PatchParams};
+    let s = setup(1, &[]);
+    s.kns.service(
+        &s.agent.proxy_name,
+        "lb",
+        json!({"type": "LoadBalancer", "loadBalancerSourceRanges": ["198.18.1.0/24"], "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
+    );
+    s.kns.slice("lb", "lb-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    let api: kube::Api<Service> = kube::Api::namespaced(s.kns.client.clone(), &s.kns.name);
+    let status = json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.18.8.8"}]}}});
+    s.kns.rt.block_on(api.patch_status("lb", &PatchParams::default(), &Patch::Merge(&status))).expect("set LB status");
+    // The client (198.18.1.2) is inside the allowed range.
+    assert_eq!(wait_reachable(&s.topo, sa("198.18.8.8", 80)), "b0");
+    // Narrow the ranges to exclude it: its new connections are dropped.
+    let spec = json!({"spec": {"loadBalancerSourceRanges": ["198.18.7.0/24"]}});
+    s.kns.rt.block_on(api.patch("lb", &PatchParams::default(), &Patch::Merge(&spec))).expect("narrow ranges");
+    wait_for("the firewall rule with the new range", SYNC, || s.topo.nft_table("ip").contains("198.18.7.0/24").then_some(()));
+    let err = s.topo.tcp_get(sa("198.18.8.8", 80), Duration::from_millis(1500)).expect_err("dropped");
+    assert!(matches!(err.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock), "{err:?}");
+    s.agent.assert_no_sync_failures();
+}

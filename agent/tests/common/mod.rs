@@ -202,6 +202,10 @@ impl Topology {
             let veth = format!("b{i}");
             sh(&["ip", "-n", n, "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &b.name]);
             ns_sh(n, &["ip", "link", "set", &veth, "master", "br0"]);
+            // What kubelet does for pods on a bridge (hairpin-veth): with br_netfilter loaded
+            // (bridge-nf-call-iptables=1), a pod's connection DNATed back to itself leaves
+            // through the port it came in on.
+            ns_sh(n, &["ip", "link", "set", &veth, "type", "bridge_slave", "hairpin", "on"]);
             ns_sh(n, &["ip", "link", "set", &veth, "up"]);
             ns_sh(&b.name, &["ip", "addr", "add", &format!("{}/24", Self::backend_ip(i)), "dev", "eth0"]);
             ns_sh(&b.name, &["ip", "addr", "add", &format!("{}/64", Self::backend_ip6(i)), "dev", "eth0", "nodad"]);
@@ -224,7 +228,19 @@ impl Topology {
 
     /// One TCP request from the client namespace: the backend's name, or the error.
     pub fn tcp_get(&self, addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-        in_netns(&self.client.name, || {
+        tcp_get_in(&self.client.name, addr, timeout)
+    }
+
+    /// `nft list table <family> clusterip` in the node namespace ("" if absent).
+    pub fn nft_table(&self, family: &str) -> String {
+        ns_try(&self.node.name, &["nft", "list", "table", family, "clusterip"]).unwrap_or_default()
+    }
+}
+
+/// One TCP request from namespace `ns`: the answer, or the error.
+pub fn tcp_get_in(ns: &str, addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    {
+        in_netns(ns, || {
             let mut s = TcpStream::connect_timeout(&addr, timeout)?;
             s.set_read_timeout(Some(timeout))?;
             let mut out = String::new();
@@ -232,6 +248,9 @@ impl Topology {
             Ok(out.trim().to_string())
         })
     }
+}
+
+impl Topology {
 
     /// One UDP request from the client namespace from source port `src_port`.
     pub fn udp_ask(&self, addr: SocketAddr, src_port: u16, timeout: Duration) -> std::io::Result<String> {
@@ -244,11 +263,6 @@ impl Topology {
             let (n, _) = s.recv_from(&mut buf)?;
             Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
         })
-    }
-
-    /// `nft list table <family> clusterip` in the node namespace ("" if absent).
-    pub fn nft_table(&self, family: &str) -> String {
-        ns_try(&self.node.name, &["nft", "list", "table", family, "clusterip"]).unwrap_or_default()
     }
 }
 

@@ -187,9 +187,9 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
                 let a = s.health.answer(path == "/healthz");
                 let family = if path == "/healthz" { &s.metrics.healthz } else { &s.metrics.livez };
                 family.get_or_create(&CodeLabel { code: a.code.to_string() }).inc();
-                Response { code: a.code, content_type: "application/json", body: a.body }
+                Response::new(a.code, "application/json", a.body)
             }
-            _ => Response { code: 404, content_type: "text/plain", body: "not found\n".into() },
+            _ => Response::new(404, "text/plain", "not found\n"),
         });
         let addr = http::serve(&args.healthz_bind_address, handler)
             .await
@@ -199,12 +199,8 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
     if !args.metrics_bind_address.is_empty() {
         let s = shared.clone();
         let handler: http::Handler = Arc::new(move |path| match path {
-            "/metrics" => Response {
-                code: 200,
-                content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                body: s.metrics.encode(),
-            },
-            _ => Response { code: 404, content_type: "text/plain", body: "not found\n".into() },
+            "/metrics" => Response::new(200, "application/openmetrics-text; version=1.0.0; charset=utf-8", s.metrics.encode()),
+            _ => Response::new(404, "text/plain", "not found\n"),
         });
         let addr = http::serve(&args.metrics_bind_address, handler)
             .await
@@ -223,10 +219,12 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
     };
     let dataplane = proxier(&args, exec.clone());
     tracing::info!(node = %node_name, mode = dataplane.mode(), netns = ?args.netns, "clusterip-agent starting");
+    let health_servers =
+        crate::service_health::ServiceHealthServers::new(exec.netns_file(), tokio::runtime::Handle::current(), &shared);
     let s = shared.clone();
     let loop_thread = std::thread::Builder::new()
         .name("sync".into())
-        .spawn(move || sync::run(s, dataplane, exec, cfg))
+        .spawn(move || sync::run(s, dataplane, exec, cfg, Some(health_servers)))
         .map_err(AgentError::Thread)?;
 
     wait_for_signal().await;

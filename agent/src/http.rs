@@ -14,6 +14,14 @@ pub struct Response {
     pub code: u16,
     pub content_type: &'static str,
     pub body: String,
+    /// Extra response headers.
+    pub headers: Vec<(&'static str, String)>,
+}
+
+impl Response {
+    pub fn new(code: u16, content_type: &'static str, body: impl Into<String>) -> Self {
+        Response { code, content_type, body: body.into(), headers: vec![] }
+    }
 }
 
 /// Handler: request path → response.
@@ -33,6 +41,13 @@ fn reason(code: u16) -> &'static str {
 pub async fn serve(addr: &str, handler: Handler) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
+    serve_listener(listener, handler);
+    Ok(local)
+}
+
+/// Serve on an already bound listener (made in another network namespace, say) until the
+/// returned task is aborted.
+pub fn serve_listener(listener: TcpListener, handler: Handler) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             let Ok((mut sock, _)) = listener.accept().await else { continue };
@@ -65,14 +80,16 @@ pub async fn serve(addr: &str, handler: Handler) -> std::io::Result<SocketAddr> 
                 let resp = if method == "GET" || method == "HEAD" {
                     handler(path)
                 } else {
-                    Response { code: 405, content_type: "text/plain", body: "method not allowed\n".into() }
+                    Response::new(405, "text/plain", "method not allowed\n")
                 };
                 let body = if method == "HEAD" { "" } else { resp.body.as_str() };
+                let extra: String = resp.headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
                 let out = format!(
-                    "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+                    "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\n{}Content-Length: {}\r\nConnection: close\r\n\r\n{}",
                     resp.code,
                     reason(resp.code),
                     resp.content_type,
+                    extra,
                     resp.body.len(),
                     body
                 );
@@ -80,6 +97,5 @@ pub async fn serve(addr: &str, handler: Handler) -> std::io::Result<SocketAddr> 
                 let _ = sock.shutdown().await;
             });
         }
-    });
-    Ok(local)
+    })
 }

@@ -15,5 +15,6 @@ pub mod model;
 pub mod netns;
 pub mod nftables;
 pub mod proxier;
+pub mod service_health;
 pub mod sync;
 pub mod watch;

@@ -44,6 +44,11 @@ impl Executor {
         Ok(Executor { netns: Some(Arc::new(file)) })
     }
 
+    /// The namespace file, when not the agent's own namespace.
+    pub fn netns_file(&self) -> Option<Arc<File>> {
+        self.netns.clone()
+    }
+
     /// A command that will run in the chosen namespace.
     pub fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);

@@ -83,7 +83,13 @@ fn unix_now() -> f64 {
 }
 
 /// Run the loop until shutdown (blocking; run it on its own thread).
-pub fn run(shared: Arc<Shared>, mut proxier: Box<dyn Proxier>, exec: Executor, cfg: SyncConfig) {
+pub fn run(
+    shared: Arc<Shared>,
+    mut proxier: Box<dyn Proxier>,
+    exec: Executor,
+    cfg: SyncConfig,
+    mut service_health: Option<crate::service_health::ServiceHealthServers>,
+) {
     let mut conntrack = ConntrackCleaner::default();
     let mut last_end: Option<Instant> = None;
     let mut next_full = Instant::now();
@@ -175,6 +181,10 @@ pub fn run(shared: Arc<Shared>, mut proxier: Box<dyn Proxier>, exec: Executor, c
                 let flushes = conntrack.plan(&batch);
                 let failures = ConntrackCleaner::execute(&exec, &flushes);
                 shared.metrics.conntrack_failures.inc_by(failures.len() as u64);
+                if let Some(sh) = service_health.as_mut() {
+                    let wanted = shared.lock().state.health_check_node_ports();
+                    sh.sync(&wanted);
+                }
                 {
                     let mut c = shared.lock();
                     c.syncs += 1;
@@ -256,7 +266,7 @@ mod tests {
         let fake = Fake { calls: calls.clone(), fail_first: Arc::new(AtomicUsize::new(fail_first)) };
         let cfg = SyncConfig { min_sync_period: min, sync_period: Duration::from_secs(3600), verify_period: None };
         let s = shared.clone();
-        let h = std::thread::spawn(move || run(s, Box::new(fake), Executor::host(), cfg));
+        let h = std::thread::spawn(move || run(s, Box::new(fake), Executor::host(), cfg, None));
         (shared, calls, h)
     }
 

@@ -366,3 +366,40 @@ fn load_balancer_source_ranges_are_enforced() {
     assert!(matches!(err.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock), "{err:?}");
     s.agent.assert_no_sync_failures();
 }
+
+/// GET http://addr/ from namespace `ns`: (status, headers+body).
+fn http_get_in(ns: &str, addr: std::net::SocketAddr) -> Option<(u16, String)> {
+    in_netns(ns, || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
+    })
+}
+
+#[test]
+fn health_check_node_port_reports_local_endpoints() {
+    let s = setup(2, &[]);
+    let svc = s.kns.service(
+        &s.agent.proxy_name,
+        "hc",
+        json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
+    );
+    let hc = svc.spec.as_ref().and_then(|s| s.health_check_node_port).expect("healthCheckNodePort allocated");
+    let addr = sa(Topology::NODE_IP, u16::try_from(hc).expect("port"));
+    let mut local = Ep::ready(&Topology::backend_ip(0));
+    local.node = Some(s.agent.node_name.clone());
+    s.kns.slice("hc", "hc-1", "IPv4", "", "TCP", TCP_PORT, &[local, Ep::ready(&Topology::backend_ip(1))]);
+    let (code, text) = wait_for("the health check node port", SYNC, || http_get_in(&s.topo.client.name, addr).filter(|r| r.0 == 200));
+    assert_eq!(code, 200);
+    assert!(text.contains("X-Load-Balancing-Endpoint-Weight: 1"), "{text}");
+    assert!(text.contains("\"localEndpoints\":1"), "{text}");
+    // No local endpoint any more: 503, so load balancers skip this node.
+    s.kns.slice("hc", "hc-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(1))]);
+    let (_, text) = wait_for("503 without local endpoints", SYNC, || http_get_in(&s.topo.client.name, addr).filter(|r| r.0 == 503));
+    assert!(text.contains("\"localEndpoints\":0"), "{text}");
+    s.agent.assert_no_sync_failures();
+}

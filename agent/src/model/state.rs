@@ -253,6 +253,28 @@ impl ProxyState {
     }
 }
 
+impl ProxyState {
+    /// Services with a health-check node port (externalTrafficPolicy Local): the port and
+    /// the number of distinct local ready (not terminating) endpoint addresses.
+    pub fn health_check_node_ports(&self) -> HashMap<NamespacedName, (u16, usize)> {
+        let mut out = HashMap::new();
+        for (nsn, ports) in &self.services {
+            let Some(port) = ports.iter().find(|p| p.external_policy_local).and_then(|p| p.health_check_node_port) else { continue };
+            let local: HashSet<std::net::IpAddr> = self
+                .slices
+                .get(nsn)
+                .into_iter()
+                .flat_map(|m| m.values())
+                .flat_map(|s| s.endpoints.iter())
+                .filter(|e| e.ready && !e.terminating && e.node_name.as_deref() == Some(self.node.name.as_str()))
+                .map(|e| e.ip)
+                .collect();
+            out.insert(nsn.clone(), (port, local.len()));
+        }
+        out
+    }
+}
+
 /// Endpoints are unique by ip:port; a local copy wins (kube-proxy does the same).
 fn push_dedup(list: &mut Vec<Endpoint>, ep: Endpoint) {
     if let Some(existing) = list.iter_mut().find(|e| e.ip == ep.ip && e.port == ep.port) {

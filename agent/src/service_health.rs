@@ -1,0 +1,118 @@
+//! Per-Service health-check node ports (kube-proxy's `service_health.go`): for each
+//! Service with `externalTrafficPolicy: Local` and a `healthCheckNodePort`, an HTTP server
+//! on that port answers 200 when this node has local ready endpoints (and the proxy is
+//! healthy), 503 otherwise, so that load balancers send traffic only to nodes that can
+//! serve it. The listeners are opened in the node's network namespace (`--netns`).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::http::{serve_listener, Handler, Response};
+use crate::model::NamespacedName;
+use crate::sync::Shared;
+
+struct Server {
+    port: u16,
+    local: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// The running health-check servers.
+pub struct ServiceHealthServers {
+    netns: Option<Arc<File>>,
+    handle: tokio::runtime::Handle,
+    shared: std::sync::Weak<Shared>,
+    servers: HashMap<NamespacedName, Server>,
+}
+
+fn bind(netns: Option<&Arc<File>>, port: u16) -> std::io::Result<std::net::TcpListener> {
+    let open = move || {
+        let l = std::net::TcpListener::bind(("0.0.0.0", port))?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    };
+    match netns {
+        None => open(),
+        Some(f) => {
+            let fd = f.as_raw_fd();
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    // SAFETY: setns on this short-lived thread only; the socket made here stays
+                    // in that namespace.
+                    if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    open()
+                })
+                .join()
+                .map_err(|_| std::io::Error::other("bind thread panicked"))?
+            })
+        }
+    }
+}
+
+impl ServiceHealthServers {
+    pub fn new(netns: Option<Arc<File>>, handle: tokio::runtime::Handle, shared: &Arc<Shared>) -> Self {
+        ServiceHealthServers { netns, handle, shared: Arc::downgrade(shared), servers: HashMap::new() }
+    }
+
+    /// Bring the servers to `wanted` (Service → (port, local ready endpoints)).
+    pub fn sync(&mut self, wanted: &HashMap<NamespacedName, (u16, usize)>) {
+        self.servers.retain(|nsn, s| {
+            let keep = wanted.get(nsn).is_some_and(|(p, _)| *p == s.port);
+            if !keep {
+                s.task.abort();
+            }
+            keep
+        });
+        for (nsn, (port, local)) in wanted {
+            if let Some(s) = self.servers.get(nsn) {
+                s.local.store(*local, Ordering::Relaxed);
+                continue;
+            }
+            let listener = match bind(self.netns.as_ref(), *port) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(service = %nsn, port, error = %e, "FailedToStartServiceHealthcheck");
+                    continue;
+                }
+            };
+            let _guard = self.handle.enter();
+            let listener = match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(service = %nsn, port, error = %e, "FailedToStartServiceHealthcheck");
+                    continue;
+                }
+            };
+            let count = Arc::new(AtomicUsize::new(*local));
+            let (c, shared, name) = (count.clone(), self.shared.clone(), nsn.clone());
+            let handler: Handler = Arc::new(move |_path| {
+                let n = c.load(Ordering::Relaxed);
+                let healthy = shared.upgrade().is_some_and(|s| s.health.answer(false).code == 200);
+                let body = serde_json::json!({
+                    "service": {"namespace": name.namespace, "name": name.name},
+                    "localEndpoints": n,
+                    "serviceProxyHealthy": healthy,
+                });
+                let mut r = Response::new(if n > 0 && healthy { 200 } else { 503 }, "application/json", body.to_string());
+                r.headers.push(("X-Load-Balancing-Endpoint-Weight", n.to_string()));
+                r
+            });
+            let task = serve_listener(listener, handler);
+            tracing::info!(service = %nsn, port, "service health check listening");
+            self.servers.insert(nsn.clone(), Server { port: *port, local: count, task });
+        }
+    }
+}
+
+impl Drop for ServiceHealthServers {
+    fn drop(&mut self) {
+        for s in self.servers.values() {
+            s.task.abort();
+        }
+    }
+}

@@ -67,7 +67,7 @@ pub struct RepairArgs {
 
 pub async fn run(args: RepairArgs) -> anyhow::Result<i32> {
     match pass(&args).await {
-        Ok(result) => {
+        Ok((result, took)) => {
             let code = if result.failed() > 0 {
                 EXIT_ERROR
             } else if result.remaining() > 0 {
@@ -75,7 +75,7 @@ pub async fn run(args: RepairArgs) -> anyhow::Result<i32> {
             } else {
                 EXIT_CONSISTENT
             };
-            print(&args, &result)?;
+            print(&args, &result, took)?;
             Ok(code)
         }
         Err(e) => {
@@ -85,7 +85,7 @@ pub async fn run(args: RepairArgs) -> anyhow::Result<i32> {
     }
 }
 
-async fn pass(args: &RepairArgs) -> anyhow::Result<PassResult> {
+async fn pass(args: &RepairArgs) -> anyhow::Result<(PassResult, Duration)> {
     let client = super::backend::kube_client(args.backend.kubeconfig.as_deref()).await?;
     let mut imported = None;
     if let Some(src) = &args.import_rangeallocation {
@@ -132,9 +132,10 @@ async fn pass(args: &RepairArgs) -> anyhow::Result<PassResult> {
         }
     };
     let progress: Arc<dyn Fn(&str, usize) + Send + Sync> = Arc::new(progress);
+    let started = std::time::Instant::now();
     let result = repairer.run_once(args.fix, args.release_leaks_now, Some(progress.as_ref())).await.context("repair pass")?;
     clear_progress();
-    Ok(result)
+    Ok((result, started.elapsed()))
 }
 
 fn clear_progress() {
@@ -154,20 +155,21 @@ fn outcome_text(o: &Outcome, fix: bool) -> String {
     }
 }
 
-fn print(args: &RepairArgs, r: &PassResult) -> anyhow::Result<()> {
+fn print(args: &RepairArgs, r: &PassResult, took: Duration) -> anyhow::Result<()> {
     let ranges: Vec<String> = r.ranges.iter().map(|c| c.to_string()).collect();
     let mut by_kind = std::collections::BTreeMap::new();
     for f in &r.report.findings {
         *by_kind.entry(f.kind.as_str()).or_insert(0usize) += 1;
     }
     let summary = format!(
-        "{} finding(s){} in {} Services and {} records ({} backend, ranges {}); {} left{}{}",
+        "{} finding(s){} in {} Services and {} records ({} backend, ranges {}, {:.2}s); {} left{}{}",
         r.report.findings.len(),
         if by_kind.is_empty() { String::new() } else { format!(" ({})", by_kind.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")) },
         r.report.services,
         r.report.records,
         r.backend,
         if ranges.is_empty() { "none".into() } else { ranges.join(",") },
+        took.as_secs_f64(),
         r.remaining(),
         if r.failed() > 0 { format!(", {} action(s) failed", r.failed()) } else { String::new() },
         if args.fix || args.audit_apiserver { "" } else { " (dry run: nothing changed; --fix applies)" },
@@ -198,6 +200,7 @@ fn print(args: &RepairArgs, r: &PassResult) -> anyhow::Result<()> {
                 "services": r.report.services,
                 "records": r.report.records,
                 "foreign": r.report.foreign,
+                "duration_s": took.as_secs_f64(),
                 "fix": args.fix,
                 "findings": findings,
                 "remaining": r.remaining(),

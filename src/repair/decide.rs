@@ -421,6 +421,7 @@ pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: 
     }
 
     // Record-centric checks: leaks and wrong references of records nobody holds.
+    let by_name: HashMap<(&str, &str), &ServiceView> = services.iter().map(|s| ((s.namespace.as_str(), s.name.as_str()), s)).collect();
     match records {
         Records::Map(map) => {
             let mut still = HashMap::new();
@@ -486,7 +487,7 @@ pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: 
                     continue;
                 }
                 let ns = parent.namespace.clone().unwrap_or_default();
-                let parent_svc = services.iter().find(|s| s.namespace == ns && s.name == parent.name);
+                let parent_svc = by_name.get(&(ns.as_str(), parent.name.as_str()));
                 let (kind, action, note, reason) = match parent_svc {
                     None => {
                         let action = if audit {

@@ -1,0 +1,180 @@
+//! The repair benchmark's helper (scripts/bench-repair.sh), against a private dev control
+//! plane:
+//!
+//!   bench_repair seed <kubeconfig> <etcd endpoints> <etcd prefix> <cidr> <count> [concurrency]
+//!     COUNT real Services with static ClusterIPs (offsets 1..=COUNT; offset 0 is the
+//!     `kubernetes` Service's) through the kube-apiserver, namespace `bench-repair`, and every
+//!     address 0..=COUNT recorded in the etcd backend: a consistent cluster to scan.
+//!
+//!   bench_repair synthetic <etcd endpoints> <etcd prefix> <cidr> <count>
+//!     COUNT addresses recorded in the real etcd backend, then one pass timed in-process:
+//!     open the store and read its records (real etcd), deserialize COUNT synthetic Services
+//!     page by page (500 per page, the JSON a list returns) into the pass's inputs, decide.
+//!     Prints the pass duration and VmHWM (peak RSS) of this process.
+
+use std::time::Instant;
+
+use clusterip::cidr::ServiceCidr;
+use clusterip::repair::{decide, service_view, Config, LeakCounts, Mode, Records};
+use clusterip::store::etcd::{EtcdConfig, EtcdStore};
+use clusterip::store::AllocationStore;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use kube::api::{Api, PostParams};
+use serde_json::json;
+
+fn vm_hwm_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmHWM:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())))
+        .unwrap_or(0)
+}
+
+async fn record(endpoints: &str, prefix: &str, cidr: &ServiceCidr, count: u64) -> anyhow::Result<EtcdStore> {
+    let cfg = EtcdConfig { endpoints: endpoints.split(',').map(str::to_string).collect(), prefix: prefix.to_string(), ..Default::default() };
+    let store = EtcdStore::open(&cfg, vec![cidr.clone()]).await?;
+    let mut allocs = futures::stream::iter(0..=count)
+        .map(|i| {
+            let store = &store;
+            let ip = cidr.ip_at(i);
+            async move {
+                match ip {
+                    Some(ip) => match store.allocate(ip, None).await {
+                        Ok(()) | Err(clusterip::store::StoreError::Alloc(clusterip::alloc::AllocError::Allocated)) => Ok(()),
+                        Err(e) => Err(e),
+                    },
+                    None => Ok(()),
+                }
+            }
+        })
+        .buffer_unordered(4096);
+    while let Some(r) = allocs.next().await {
+        r?;
+    }
+    drop(allocs);
+    Ok(store)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("seed") if args.len() >= 6 => seed(&args[1..]).await,
+        Some("synthetic") if args.len() >= 5 => synthetic(&args[1..]).await,
+        _ => anyhow::bail!("usage: bench_repair seed <kubeconfig> <etcd endpoints> <etcd prefix> <cidr> <count> [concurrency] | synthetic <etcd endpoints> <etcd prefix> <cidr> <count>"),
+    }
+}
+
+async fn seed(args: &[String]) -> anyhow::Result<()> {
+    let kc = kube::config::Kubeconfig::read_from(&args[0])?;
+    let client = kube::Client::try_from(kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?)?;
+    let cidr = ServiceCidr::parse(&args[3])?;
+    let count: u64 = args[4].parse()?;
+    let concurrency: usize = args.get(5).map(|s| s.parse()).transpose()?.unwrap_or(32);
+    if count >= cidr.size() {
+        anyhow::bail!("{count} Services do not fit in {cidr} ({} usable)", cidr.size());
+    }
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "bench-repair"}}))?;
+    let _ = Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await;
+    let api: Api<Service> = Api::namespaced(client.clone(), "bench-repair");
+    let started = Instant::now();
+    let (mut failed, mut done) = (0u64, 0u64);
+    let mut creates = futures::stream::iter(1..=count)
+        .map(|i| {
+            let api = api.clone();
+            let ip = cidr.ip_at(i).map(|ip| ip.to_string());
+            async move {
+                let Some(ip) = ip else { return Err(anyhow::anyhow!("offset {i} outside the range")) };
+                let svc: Service = serde_json::from_value(json!({"metadata": {"name": format!("svc-{i}")}, "spec": {"clusterIP": ip, "ports": [{"port": 80}]}}))?;
+                match api.create(&PostParams::default(), &svc).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+                    Err(e) => Err(anyhow::anyhow!("svc-{i}: {e}")),
+                }
+            }
+        })
+        .buffer_unordered(concurrency);
+    while let Some(r) = creates.next().await {
+        done += 1;
+        if let Err(e) = r {
+            failed += 1;
+            if failed <= 3 {
+                eprintln!("{e}");
+            }
+        }
+        if done % 1000 == 0 {
+            eprintln!("seed: {done} Services in {:.1}s", started.elapsed().as_secs_f64());
+        }
+    }
+    let services_s = started.elapsed().as_secs_f64();
+    let t = Instant::now();
+    drop(record(&args[1], &args[2], &cidr, count).await?);
+    println!("seeded services={count} failed={failed} services_s={services_s:.1} records_s={:.1}", t.elapsed().as_secs_f64());
+    if failed > 0 {
+        anyhow::bail!("{failed} Service creates failed");
+    }
+    Ok(())
+}
+
+async fn synthetic(args: &[String]) -> anyhow::Result<()> {
+    let cidr = ServiceCidr::parse(&args[2])?;
+    let count: u64 = args[3].parse()?;
+    let t = Instant::now();
+    drop(record(&args[0], &args[1], &cidr, count.saturating_sub(1)).await?);
+    let seed_s = t.elapsed().as_secs_f64();
+    let hwm_before = vm_hwm_kb();
+
+    let started = Instant::now();
+    // The pass: records from real etcd (a fresh store, as a new process would open it).
+    let cfg = EtcdConfig { endpoints: args[0].split(',').map(str::to_string).collect(), prefix: args[1].clone(), ..Default::default() };
+    let store = EtcdStore::open(&cfg, vec![cidr.clone()]).await?;
+    let records: std::collections::BTreeSet<std::net::IpAddr> = store.allocated().await?.into_iter().collect();
+    let records_s = started.elapsed().as_secs_f64();
+    // Services: one page of the list's JSON at a time, deserialized as a list answer is.
+    let mut services = Vec::with_capacity(count as usize);
+    let mut i = 0u64;
+    while i < count {
+        let end = (i + 500).min(count);
+        let items: Vec<serde_json::Value> = (i..end)
+            .map(|n| {
+                let ip = cidr.ip_at(n).map(|ip| ip.to_string()).unwrap_or_default();
+                json!({
+                    "metadata": {"name": format!("svc-{n}"), "namespace": format!("ns-{}", n % 100), "uid": format!("00000000-0000-0000-0000-{n:012}"),
+                                 "resourceVersion": format!("{}", 1000 + n), "creationTimestamp": "2026-11-22T16:00:00Z",
+                                 "labels": {"app": format!("app-{n}")}, "annotations": {"clusterip.allocator/reserved": ip}},
+                    "spec": {"clusterIP": ip, "clusterIPs": [ip], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "type": "ClusterIP",
+                             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}], "selector": {"app": format!("app-{n}")},
+                             "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"},
+                    "status": {"loadBalancer": {}}
+                })
+            })
+            .collect();
+        let page = serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "ServiceList", "metadata": {"resourceVersion": "1"}, "items": items}))?;
+        let list: kube::core::ObjectList<Service> = serde_json::from_slice(&page)?;
+        services.extend(list.items.into_iter().map(service_view));
+        i = end;
+    }
+    let list_s = started.elapsed().as_secs_f64() - records_s;
+    let cfg = Config {
+        ranges: vec![cidr.clone()],
+        cluster_ranges: Some(vec![cidr.clone()]),
+        mode: Mode::Etcd,
+        grace: clusterip::repair::DEFAULT_GRACE,
+        release_leaks_now: false,
+    };
+    let t = Instant::now();
+    let report = decide(&cfg, &services, &Records::Map(records), &mut LeakCounts::default());
+    let decide_s = t.elapsed().as_secs_f64();
+    let total = started.elapsed().as_secs_f64();
+    println!(
+        "synthetic services={} records={} findings={} pass_s={total:.3} (records_s={records_s:.3} services_s={list_s:.3} decide_s={decide_s:.3}) vm_hwm_kb={} (before the pass {hwm_before}) seed_s={seed_s:.1}",
+        report.services,
+        report.records,
+        report.findings.len(),
+        vm_hwm_kb(),
+    );
+    if !report.findings.is_empty() {
+        anyhow::bail!("the synthetic cluster is not consistent: {} findings", report.findings.len());
+    }
+    Ok(())
+}

@@ -17,7 +17,7 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-state=${CLUSTERIP_CLUSTER_DIR:-$repo/.cluster}
+state=$(realpath -m "${CLUSTERIP_CLUSTER_DIR:-$repo/.cluster}")
 builder="$repo/scripts/lib/build-go-binaries.sh"
 # shellcheck source=versions.env
 . "$repo/scripts/versions.env"
@@ -82,11 +82,35 @@ spawn() {
 }
 
 # ---------------------------------------------------------------- ports
-port_free() { ! ss -Htln "sport = :$1" 2>/dev/null | grep -q .; }
+# Ports of every cluster on this machine, "<state dir> <port>" per line: a port stays
+# claimed while its cluster exists, even while a component is stopped (fault tests stop and
+# restart etcd or the apiserver on the same port), so another cluster never takes it.
+port_registry="${TMPDIR:-/tmp}/clusterip-dev-cluster.ports"
+port_claimed() {
+  [ -f "$port_registry" ] || return 1
+  local dir port
+  while read -r dir port; do
+    [ "$port" = "$1" ] && [ "$dir" != "$state" ] && [ -d "$dir" ] && return 0
+  done < "$port_registry"
+  return 1
+}
+port_free() { ! ss -Htln "sport = :$1" 2>/dev/null | grep -q . && ! port_claimed "$1"; }
 pick_port() {
   local p=$1
   while ! port_free "$p"; do p=$((p + 1)); done
   echo "$p"
+}
+# Keep only the lines of clusters that still exist and are not this one, then add ours.
+claim_ports() {
+  local tmp="$port_registry.$$" dir port
+  : > "$tmp"
+  if [ -f "$port_registry" ]; then
+    while read -r dir port; do
+      [ "$dir" != "$state" ] && [ -d "$dir" ] && echo "$dir $port" >> "$tmp"
+    done < "$port_registry"
+  fi
+  for port in "$@"; do echo "$state $port" >> "$tmp"; done
+  mv "$tmp" "$port_registry"
 }
 
 # ---------------------------------------------------------------- certificates
@@ -286,12 +310,14 @@ cmd_up() {
   # from picking until every component has bound its ports and is ready.
   exec 9>"${TMPDIR:-/tmp}/clusterip-dev-cluster.ports.lock"
   flock 9
+  holding_port_lock=1
   ETCD_PORT=$(pick_port "${CLUSTERIP_ETCD_PORT:-23790}")
   ETCD_PEER_PORT=$(pick_port $((ETCD_PORT + 10)))
   ETCD_METRICS_PORT=$(pick_port $((ETCD_PEER_PORT + 10)))
   APISERVER_PORT=$(pick_port "${CLUSTERIP_APISERVER_PORT:-26443}")
   WEBHOOK_PORT=$(pick_port "${CLUSTERIP_WEBHOOK_PORT:-29443}")
   CONTROLLER_METRICS_PORT=$(pick_port $((WEBHOOK_PORT + 10)))
+  claim_ports "$ETCD_PORT" "$ETCD_PEER_PORT" "$ETCD_METRICS_PORT" "$APISERVER_PORT" "$WEBHOOK_PORT" "$CONTROLLER_METRICS_PORT"
   cat > "$state/ports.env" <<EOF
 ETCD_PORT=$ETCD_PORT
 ETCD_PEER_PORT=$ETCD_PEER_PORT
@@ -322,6 +348,7 @@ EOF
     log "$c ready"
   done
   exec 9>&-
+  holding_port_lock=
   trap - EXIT
   echo "export KUBECONFIG=$state/kubeconfig"
 }
@@ -330,6 +357,8 @@ cmd_down() {
   local i
   # Everything a pid file names, whatever this invocation's CLUSTERIP_CONTROLLER says.
   for ((i = ${#ALL_COMPONENTS[@]} - 1; i >= 0; i--)); do stop_component "${ALL_COMPONENTS[$i]}"; done
+  # (`up` cleaning up after a failed start already holds the lock.)
+  if [ -n "${holding_port_lock:-}" ]; then claim_ports; else ( flock 8; claim_ports ) 8>"${TMPDIR:-/tmp}/clusterip-dev-cluster.ports.lock"; fi
   if [ -d "$state" ]; then
     rm -rf "$state"
     [ "${1:-}" = quiet ] || log "stopped; removed $state"

@@ -90,6 +90,8 @@ impl ControlPlane {
         let status = Command::new(repo_root().join("scripts/dev-cluster.sh"))
             .arg("up")
             .env("CLUSTERIP_CLUSTER_DIR", &dir)
+            // Tests that want a controller start their own.
+            .env("CLUSTERIP_CONTROLLER", "0")
             .stdout(std::process::Stdio::null())
             .status()
             .expect("run scripts/dev-cluster.sh");

@@ -6,7 +6,6 @@
 //! prints `RESULT synthetic_full_sync_<n>x10 ours_s=<>` and `RESULT synthetic_one_change_at_<n> ours_s=<>`.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::net::IpAddr;

@@ -8,7 +8,6 @@
 //! rounds alternate 1 and 10k Services so both share the machine's noise.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::net::IpAddr;

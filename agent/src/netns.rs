@@ -88,7 +88,7 @@ impl Executor {
                     cut -= 1;
                 }
                 stderr.truncate(cut);
-                stderr.push_str("…");
+                stderr.push('…');
             }
             return Err(ExecError::Failed { program: program.to_string(), status: out.status.to_string(), stderr });
         }

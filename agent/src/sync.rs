@@ -260,7 +260,9 @@ mod tests {
         .expect("svc")
     }
 
-    fn start(fail_first: usize, min: Duration) -> (Arc<Shared>, Arc<Mutex<Vec<(bool, usize)>>>, std::thread::JoinHandle<()>) {
+    type Calls = Arc<Mutex<Vec<(bool, usize)>>>;
+
+    fn start(fail_first: usize, min: Duration) -> (Arc<Shared>, Calls, std::thread::JoinHandle<()>) {
         let shared = Shared::new(ProxyState::new(NodeInfo::default(), None), ProxyHealth::new(Duration::from_secs(60)), Metrics::new());
         let calls = Arc::new(Mutex::new(Vec::new()));
         let fake = Fake { calls: calls.clone(), fail_first: Arc::new(AtomicUsize::new(fail_first)) };

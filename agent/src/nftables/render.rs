@@ -287,7 +287,8 @@ pub fn render_port(
                 let ep_chain = format!("ep-{base}__{suffix}");
                 let set = format!("aff-{timeout}-{base}__{suffix}");
                 rules.push(format!("{ip} saddr @{set} goto {ep_chain}"));
-                if !ep_chain_names.contains_key(&(ep.ip, ep.port)) {
+                if let std::collections::btree_map::Entry::Vacant(slot) = ep_chain_names.entry((ep.ip, ep.port)) {
+                    slot.insert(ep_chain.clone());
                     frag.sets.insert(
                         set.clone(),
                         format!("type {}; flags dynamic,timeout; timeout {timeout}s;", f.addr_type()),
@@ -300,7 +301,6 @@ pub fn render_port(
                             format!("meta l4proto {proto} dnat to {}", f.target(&ep.ip, ep.port)),
                         ],
                     );
-                    ep_chain_names.insert((ep.ip, ep.port), ep_chain.clone());
                 }
                 targets.push(ep_chain);
             }

@@ -398,6 +398,7 @@ impl KubeNs {
     }
 
     /// Write (create or replace) the EndpointSlice `slice` of Service `svc`.
+    #[allow(clippy::too_many_arguments)]
     pub fn slice(&self, svc: &str, slice: &str, family: &str, port_name: &str, protocol: &str, port: u16, eps: &[Ep]) {
         let endpoints: Vec<serde_json::Value> = eps
             .iter()

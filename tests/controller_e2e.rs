@@ -362,9 +362,18 @@ async fn ipaddress_backend_500_concurrent_creates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_leader_killed_during_a_burst() {
+    leader_killed_during_a_burst("etcd").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_leader_killed_during_a_burst() {
+    leader_killed_during_a_burst("ipaddress").await;
+}
+
+async fn leader_killed_during_a_burst(backend: &str) {
     use k8s_openapi::api::coordination::v1::Lease;
     let cp = control_plane();
-    let mut wh = Webhook::start_replicas(&cp, "etcd", 2).await;
+    let mut wh = Webhook::start_replicas(&cp, backend, 2).await;
     let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
     let holder = |l: Option<Lease>| l.and_then(|l| l.spec).and_then(|s| s.holder_identity);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -439,7 +448,15 @@ async fn etcd_backend_leader_killed_during_a_burst() {
     let after = api.create(&PostParams::default(), &service("after-failover", |_| {})).await.expect("create after failover");
     assert!(!seen.contains(&ips(&after)[0]), "a new Service got an address already in use");
 
-    // No lost record: every address handed out is in the etcd records.
+    // No lost record: every address handed out is recorded — by the kube-apiserver as an
+    // IPAddress (both backends), and in our etcd map (etcd backend).
+    let ipaddresses: Api<k8s_openapi::api::networking::v1::IPAddress> = Api::all(wh.client.clone());
+    for ip in &seen {
+        assert!(ipaddresses.get_opt(&ip.to_string()).await.expect("read IPAddress").is_some(), "{ip} has no IPAddress");
+    }
+    if backend != "etcd" {
+        return;
+    }
     let store = clusterip::store::etcd::EtcdStore::open(
         &clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() },
         vec![clusterip::cidr::ServiceCidr::parse(OUR_V4).unwrap(), clusterip::cidr::ServiceCidr::parse(OUR_V6).unwrap()],

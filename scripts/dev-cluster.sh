@@ -293,7 +293,18 @@ all_running() {
 }
 
 # ---------------------------------------------------------------- commands
+# What `up` needs on the machine; a clear list instead of a failure half-way.
+check_tools() {
+  local missing=() t
+  for t in go openssl ss curl flock setsid base64 realpath; do command -v "$t" >/dev/null || missing+=("$t"); done
+  if [ "${CLUSTERIP_CONTROLLER:-1}" != 0 ]; then
+    for t in cargo protoc; do command -v "$t" >/dev/null || missing+=("$t"); done
+  fi
+  [ ${#missing[@]} -eq 0 ] || die "missing tools: ${missing[*]} (Debian: apt-get install protobuf-compiler openssl iproute2 curl util-linux; Go ≥ 1.26 and Rust from their installers; or run .ci/run, which installs the packages)"
+}
+
 cmd_up() {
+  check_tools
   bin_dirs
   if [ -d "$state" ] && all_running; then
     log "already up"

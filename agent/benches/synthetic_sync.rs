@@ -51,7 +51,13 @@ fn main() {
         let services: Vec<_> = (0..n).map(|i| service(i, 0)).collect();
         let t = Instant::now();
         let r = p.sync(&SyncBatch { full: true, services }).expect("full sync");
-        println!("RESULT synthetic_full_sync_{n}x10 ours_s={:.3} transactions={} operations={}", t.elapsed().as_secs_f64(), r.transactions, r.operations);
+        println!(
+            "RESULT synthetic_full_sync_{n}x10 ours_s={:.3} nft_s={:.3} transactions={} operations={}",
+            t.elapsed().as_secs_f64(),
+            r.tool_seconds,
+            r.transactions,
+            r.operations
+        );
         let t = Instant::now();
         p.sync(&SyncBatch { full: false, services: vec![service(n / 2, 1)] }).expect("partial sync");
         println!("RESULT synthetic_one_change_at_{n} ours_s={:.3}", t.elapsed().as_secs_f64());

@@ -25,7 +25,7 @@ pub struct SyncBatch {
 }
 
 /// What a sync did.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct SyncReport {
     /// Transactions applied (a huge first sync is split).
     pub transactions: usize,
@@ -37,6 +37,8 @@ pub struct SyncReport {
     pub rules: usize,
     /// Elements of the shared maps and sets.
     pub elements: usize,
+    /// Time spent waiting for the kernel tools (`nft`, `iptables-restore`), in seconds.
+    pub tool_seconds: f64,
 }
 
 /// A dataplane.

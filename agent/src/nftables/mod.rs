@@ -33,6 +33,8 @@ pub struct NftablesProxier {
     mirrors: [FamilyMirror; 2],
     /// Start over from an empty table at the next sync (start, failure, drift).
     rebuild: bool,
+    /// Time spent in `nft` during the current sync.
+    tool_time: std::time::Duration,
 }
 
 impl NftablesProxier {
@@ -43,13 +45,15 @@ impl NftablesProxier {
             max_ops: max_ops.max(1),
             mirrors: [FamilyMirror::new(IpFamily::V4), FamilyMirror::new(IpFamily::V6)],
             rebuild: true,
+            tool_time: std::time::Duration::ZERO,
         }
     }
 
-    fn apply(&self, tx: &Transaction) -> Result<(), ExecError> {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), ExecError> {
         let text = tx.text();
         let start = std::time::Instant::now();
         let r = self.exec.run("nft", &["-f", "-"], Some(text.as_bytes())).map(|_| ());
+        self.tool_time += start.elapsed();
         tracing::debug!(bytes = text.len(), ops = tx.ops(), nft_ms = start.elapsed().as_millis() as u64, "nft transaction");
         if let Ok(path) = std::env::var("CLUSTERIP_AGENT_DUMP_NFT") {
             let _ = std::fs::write(path, &text);
@@ -58,7 +62,7 @@ impl NftablesProxier {
     }
 
     fn report(&self, transactions: usize, operations: usize) -> SyncReport {
-        let mut r = SyncReport { transactions, operations, ..Default::default() };
+        let mut r = SyncReport { transactions, operations, tool_seconds: self.tool_time.as_secs_f64(), ..Default::default() };
         for m in &self.mirrors {
             let (chains, rules, elements) = m.counts();
             r.chains += chains;
@@ -69,6 +73,7 @@ impl NftablesProxier {
     }
 
     fn sync_inner(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
+        self.tool_time = std::time::Duration::ZERO;
         let rebuild = self.rebuild;
         let mut tx = Transaction::new();
         if rebuild {

@@ -75,11 +75,19 @@ impl Executor {
         cmd.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() });
         let spawn_err = |source| ExecError::Spawn { program: program.to_string(), source };
         let mut child = cmd.spawn().map_err(spawn_err)?;
-        if let (Some(data), Some(mut stdin)) = (input, child.stdin.take()) {
-            // A write error shows up as the tool's failure below.
-            let _ = stdin.write_all(data);
-        }
-        let out = child.wait_with_output().map_err(spawn_err)?;
+        let stdin = child.stdin.take();
+        // Feed stdin from another thread while this one drains stdout/stderr, so that a tool
+        // writing a lot of output before it has read all its input cannot deadlock us.
+        let out = std::thread::scope(|s| {
+            if let (Some(data), Some(mut stdin)) = (input, stdin) {
+                s.spawn(move || {
+                    // A write error shows up as the tool's failure below.
+                    let _ = stdin.write_all(data);
+                });
+            }
+            child.wait_with_output()
+        })
+        .map_err(spawn_err)?;
         if !out.status.success() {
             let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
             if stderr.len() > 4000 {

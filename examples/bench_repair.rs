@@ -6,6 +6,13 @@
 //!     `kubernetes` Service's) through the kube-apiserver, namespace `bench-repair`, and every
 //!     address 0..=COUNT recorded in the etcd backend: a consistent cluster to scan.
 //!
+//!   bench_repair inject <etcd endpoints> <etcd prefix> <cidr> <count> [first offset, 1]
+//!     COUNT Services written straight into the kube-apiserver's etcd (JSON values under
+//!     /registry/services/specs/bench-inject/, which the apiserver decodes like its own
+//!     protobuf ones), addresses at offsets FIRST.., and every address from offset 0 to the
+//!     last recorded in the etcd backend: 50,000 real Services for the apiserver to list, in
+//!     seconds.
+//!
 //!   bench_repair synthetic <etcd endpoints> <etcd prefix> <cidr> <count>
 //!     COUNT addresses recorded in the real etcd backend, then one pass timed in-process:
 //!     open the store and read its records (real etcd), deserialize COUNT synthetic Services
@@ -61,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("seed") if args.len() >= 6 => seed(&args[1..]).await,
         Some("synthetic") if args.len() >= 5 => synthetic(&args[1..]).await,
+        Some("inject") if args.len() >= 5 => inject(&args[1..]).await,
         _ => anyhow::bail!("usage: bench_repair seed <kubeconfig> <etcd endpoints> <etcd prefix> <cidr> <count> [concurrency] | synthetic <etcd endpoints> <etcd prefix> <cidr> <count>"),
     }
 }
@@ -113,6 +121,48 @@ async fn seed(args: &[String]) -> anyhow::Result<()> {
     if failed > 0 {
         anyhow::bail!("{failed} Service creates failed");
     }
+    Ok(())
+}
+
+async fn inject(args: &[String]) -> anyhow::Result<()> {
+    let cidr = ServiceCidr::parse(&args[2])?;
+    let count: u64 = args[3].parse()?;
+    if count >= cidr.size() {
+        anyhow::bail!("{count} Services do not fit in {cidr} ({} usable)", cidr.size());
+    }
+    let first: u64 = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(1);
+    let last = first + count - 1;
+    if last >= cidr.size() {
+        anyhow::bail!("offsets {first}..={last} do not fit in {cidr} ({} usable)", cidr.size());
+    }
+    let endpoints: Vec<String> = args[0].split(',').map(str::to_string).collect();
+    let mut client = etcd_client::Client::connect(endpoints, None).await?;
+    let started = Instant::now();
+    let mut n = first;
+    while n <= last {
+        let end = (n + 128).min(last + 1);
+        let ops: Vec<etcd_client::TxnOp> = (n..end)
+            .map(|i| {
+                let ip = cidr.ip_at(i).map(|ip| ip.to_string()).unwrap_or_default();
+                let svc = json!({
+                    "apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": format!("svc-{i}"), "namespace": "bench-inject", "uid": format!("00000000-0000-4000-8000-{i:012}"),
+                                 "creationTimestamp": "2026-11-22T16:00:00Z"},
+                    "spec": {"clusterIP": ip, "clusterIPs": [ip], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "type": "ClusterIP",
+                             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}], "sessionAffinity": "None",
+                             "internalTrafficPolicy": "Cluster"},
+                    "status": {"loadBalancer": {}}
+                });
+                etcd_client::TxnOp::put(format!("/registry/services/specs/bench-inject/svc-{i}"), svc.to_string(), None)
+            })
+            .collect();
+        client.txn(etcd_client::Txn::new().and_then(ops)).await?;
+        n = end;
+    }
+    let services_s = started.elapsed().as_secs_f64();
+    let t = Instant::now();
+    drop(record(&args[0], &args[1], &cidr, last).await?);
+    println!("injected services={count} services_s={services_s:.1} records_s={:.1}", t.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -201,7 +201,8 @@ impl Repairer {
                     m.repair_ip_errors.get_or_create(&crate::metrics::RepairLabels { r#type: t }).inc();
                 }
             } else if outcome == Outcome::Applied {
-                info!(kind = f.kind.as_str(), address = %f.address, owner = %f.owner, action = %f.action, "repaired");
+                let what = if f.action.changes_records() { "repaired" } else { "reported" };
+                info!(kind = f.kind.as_str(), address = %f.address, owner = %f.owner, action = %f.action, "{what}");
                 if f.action == Action::Release {
                     if let Ok(ip) = cidr::parse_ip(&f.address) {
                         self.leaks.forget(ip);

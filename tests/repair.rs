@@ -6,7 +6,7 @@
 //! fd00:10:96::/112), so each test takes a /28 and a /124 from the apiserver's *static* band
 //! (198.19.0.1–198.19.1.0, fd00:10:96::1–::100), which its own dynamic allocation never uses
 //! while the upper band has room, and which no other test uses. Records-only tests use
-//! 198.18.160.0/20. Each test has its own namespace and etcd prefix and removes them.
+//! 198.18.160.0/20 and fd00:18:164::/112. Each test has its own namespace and etcd prefix and removes them.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -279,7 +279,9 @@ async fn etcd_leak_is_released_on_the_third_pass_and_not_before() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_drift_is_reported_then_fixed() {
     let cp = control_plane();
-    let ranges = ["198.19.0.208/28", "fd00:10:96::d0/124"];
+    // The records live in ranges no other test's controller judges; web's address (the
+    // apiserver's, outside these ranges) is another allocator's and only names the parent.
+    let ranges = ["198.18.164.0/24", "fd00:18:164::/112"];
     let cidrs: Vec<ServiceCidr> = ranges.iter().map(|c| ServiceCidr::parse(c).expect("cidr")).collect();
     let ns = Ns::new(&cp).await;
     let client = cp.client().await;
@@ -288,32 +290,32 @@ async fn ipaddress_backend_drift_is_reported_then_fixed() {
     ns.service("web", &["198.19.0.209"]).await;
     let store = IpAddressStore::open(client.clone(), IpAddressConfig { ranges: cidrs.clone(), ..Default::default() }).await.expect("open IPAddress store");
     // A leak: ours, for a Service that does not exist.
-    store.allocate(ip("198.19.0.215"), Some(&ParentRef::service(&ns.name, "gone"))).await.expect("seed leak");
+    store.allocate(ip("198.18.164.15"), Some(&ParentRef::service(&ns.name, "gone"))).await.expect("seed leak");
     // A wrong reference: ours, naming a live Service that does not hold the address.
-    store.allocate(ip("fd00:10:96::da"), Some(&ParentRef::service(&ns.name, "web"))).await.expect("seed wrong reference");
+    store.allocate(ip("fd00:18:164::da"), Some(&ParentRef::service(&ns.name, "web"))).await.expect("seed wrong reference");
     drop(store);
 
     let mut args = strs(&["--backend", "ipaddress", "--service-cidr", &ranges.join(","), "--kubeconfig"]);
     args.push(cp.kubeconfig().display().to_string());
     let dry = repair(&args).await;
     assert_eq!(dry.code, 1, "{:#}\n{}", dry.json, dry.stderr);
-    assert_eq!(dry.rows(), set(&[("leak", "198.19.0.215"), ("wrong-reference", "fd00:10:96::da")]));
-    let leak = dry.finding("leak", "198.19.0.215");
+    assert_eq!(dry.rows(), set(&[("leak", "198.18.164.15"), ("wrong-reference", "fd00:18:164::da")]));
+    let leak = dry.finding("leak", "198.18.164.15");
     assert_eq!(leak["owner"], format!("services/{}/gone", ns.name));
     assert_eq!(leak["action"], "release-after-grace");
-    let wrong = dry.finding("wrong-reference", "fd00:10:96::da");
+    let wrong = dry.finding("wrong-reference", "fd00:18:164::da");
     assert_eq!(wrong["action"], "release");
     assert_eq!(wrong["event"]["reason"], "IPAddressWrongReference");
-    assert_eq!(wrong["event"]["message"], format!("IPAddress: fd00:10:96::da for Service {}/web has a wrong reference; cleaning up", ns.name));
+    assert_eq!(wrong["event"]["message"], format!("IPAddress: fd00:18:164::da for Service {}/web has a wrong reference; cleaning up", ns.name));
 
     // --fix: the wrong reference goes; the young leak waits for its grace period.
     let fixed = repair(&[args.clone(), strs(&["--fix"])].concat()).await;
     assert_eq!(fixed.code, 1, "{:#}", fixed.json);
-    assert_eq!(fixed.finding("wrong-reference", "fd00:10:96::da")["result"], "applied");
-    assert_eq!(fixed.finding("leak", "198.19.0.215")["result"], "not-applied");
+    assert_eq!(fixed.finding("wrong-reference", "fd00:18:164::da")["result"], "applied");
+    assert_eq!(fixed.finding("leak", "198.18.164.15")["result"], "not-applied");
     let ipaddrs: Api<IPAddress> = Api::all(client.clone());
-    assert!(ipaddrs.get_opt("fd00:10:96::da").await.expect("get").is_none());
-    assert!(ipaddrs.get_opt("198.19.0.215").await.expect("get").is_some(), "a leak inside its grace period must stay");
+    assert!(ipaddrs.get_opt("fd00:18:164::da").await.expect("get").is_none());
+    assert!(ipaddrs.get_opt("198.18.164.15").await.expect("get").is_some(), "a leak inside its grace period must stay");
     // The apiserver's own record of web is untouched.
     let theirs = ipaddrs.get("198.19.0.209").await.expect("the apiserver's record");
     assert_eq!(theirs.metadata.labels.unwrap_or_default().get("ipaddress.kubernetes.io/managed-by").map(String::as_str), Some("ipallocator.k8s.io"));
@@ -325,7 +327,7 @@ async fn ipaddress_backend_drift_is_reported_then_fixed() {
         r.code == 0
     })
     .await;
-    assert!(ipaddrs.get_opt("198.19.0.215").await.expect("get").is_none());
+    assert!(ipaddrs.get_opt("198.18.164.15").await.expect("get").is_none());
     let clean = repair(&args).await;
     assert_eq!(clean.code, 0, "{:#}", clean.json);
 }

@@ -1,7 +1,6 @@
 //! `clusterip repair`: one repair pass from the command line — a dry run by default.
 
 use std::io::{IsTerminal, Write};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -131,9 +130,8 @@ async fn pass(args: &RepairArgs) -> anyhow::Result<(PassResult, Duration)> {
             let _ = err.flush();
         }
     };
-    let progress: Arc<dyn Fn(&str, usize) + Send + Sync> = Arc::new(progress);
     let started = std::time::Instant::now();
-    let result = repairer.run_once(args.fix, args.release_leaks_now, Some(progress.as_ref())).await.context("repair pass")?;
+    let result = repairer.run_once(args.fix, args.release_leaks_now, Some(&progress)).await.context("repair pass")?;
     clear_progress();
     Ok((result, started.elapsed()))
 }

@@ -469,6 +469,11 @@ pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: 
                 if owners.contains_key(&ip) {
                     continue; // judged above, from the Service side
                 }
+                if !audit && !cfg.ranges.iter().any(|c| c.contains(ip)) {
+                    // Outside our ranges: another configuration's record (one manager label
+                    // may be shared by instances with different ranges); not ours to release.
+                    continue;
+                }
                 let Some(parent) = r.parent.as_ref() else { continue };
                 if !is_service_parent(parent) {
                     // Our records may belong to parents other than Services; those are not

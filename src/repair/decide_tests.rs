@@ -262,6 +262,12 @@ fn wrong_labels_on_our_record_are_replaced() {
 }
 
 #[test]
+fn our_orphans_outside_our_ranges_are_not_judged() {
+    let recs = Records::Objects(vec![record("10.9.0.9", "clusterip.allocator", Some(ParentRef::service("a", "gone")), 600)]);
+    assert!(decide(&ipaddr(), &[], &recs, &mut LeakCounts::default()).findings.is_empty());
+}
+
+#[test]
 fn non_service_parents_of_ours_are_not_judged() {
     let gw = ParentRef { group: "gateway.networking.k8s.io".into(), resource: "gateways".into(), namespace: Some("a".into()), name: "gw".into() };
     let recs = Records::Objects(vec![record("10.0.0.9", "clusterip.allocator", Some(gw), 600)]);

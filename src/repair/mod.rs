@@ -234,7 +234,7 @@ impl Repairer {
                             let api: Api<Service> = Api::namespaced(self.client.clone(), p.namespace.as_deref().unwrap_or_default());
                             match api.get_opt(&p.name).await {
                                 Ok(Some(svc)) => {
-                                    let holds = crate::controller::services::service_ips(&svc).iter().any(|t| *t == f.address);
+                                    let holds = crate::controller::services::service_ips(&svc).contains(&f.address);
                                     // Leak: the parent exists now. Wrong reference: it holds it now.
                                     if f.kind == Kind::Leak { false } else { !holds }
                                 }

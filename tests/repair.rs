@@ -472,3 +472,68 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
     drop(store);
     fx.cleanup().await;
 }
+
+/// Drift a stock kube-apiserver refuses at admission — one address on two Services, an
+/// address outside every range, a malformed address — written straight into the
+/// apiserver's etcd (as an old cluster, a restore or a buggy client could leave it). The
+/// apiserver serves those objects as they are; the pass reports each with Kubernetes'
+/// reason and wording and changes nothing, even with --fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_reports_drift_the_apiserver_would_refuse() {
+    let cp = control_plane();
+    let fx = EtcdFixture::new(&cp, &["198.19.0.208/28", "fd00:10:96::d0/124"]);
+    let ns = Ns::new(&cp).await;
+    let store = fx.open().await;
+    ns.service("first", &["198.19.0.209"]).await;
+    store.allocate(ip("198.19.0.209"), None).await.expect("record .209");
+
+    let mut etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("etcd");
+    let inject = |name: &str, cluster_ip: &str, uid: u32| {
+        let svc = json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": ns.name, "uid": format!("00000000-0000-4000-8000-{uid:012}"), "creationTimestamp": "2030-01-01T00:00:00Z"},
+            "spec": {"clusterIP": cluster_ip, "clusterIPs": [cluster_ip], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "type": "ClusterIP",
+                     "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 80}], "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"},
+            "status": {"loadBalancer": {}}
+        });
+        (format!("/registry/services/specs/{}/{name}", ns.name), svc.to_string())
+    };
+    let injected = [inject("second", "198.19.0.209", 1), inject("outside", "198.18.250.5", 2), inject("malformed", "198.19.010.5", 3)];
+    for (key, value) in &injected {
+        etcd.put(key.as_str(), value.as_str(), None).await.expect("write a Service into the apiserver's etcd");
+    }
+    let services = ns.services();
+    eventually(20, "the apiserver serves the injected Services", || async {
+        services.list(&ListParams::default()).await.map(|l| l.items.len() == 4).unwrap_or(false)
+    })
+    .await;
+
+    let args = fx.args(&cp);
+    for extra in [&[][..], &["--fix"][..]] {
+        let run = repair(&[args.clone(), strs(extra)].concat()).await;
+        assert_eq!(run.code, 1, "{:#}\n{}", run.json, run.stderr);
+        assert_eq!(run.rows(), set(&[("duplicate", "198.19.0.209"), ("out-of-range", "198.18.250.5"), ("malformed", "198.19.010.5")]), "{:#}", run.json);
+        let dup = run.finding("duplicate", "198.19.0.209");
+        assert_eq!(dup["action"], "event");
+        assert_eq!(dup["event"]["reason"], "ClusterIPAlreadyAllocated");
+        assert_eq!(dup["event"]["message"], "Cluster IP [IPv4]:198.19.0.209 was assigned to multiple services; please recreate service");
+        assert!(dup["owner"].as_str().unwrap_or("").starts_with(&format!("{}/second", ns.name)), "{dup:#}");
+        let out = run.finding("out-of-range", "198.18.250.5");
+        assert_eq!(out["event"]["reason"], "ClusterIPOutOfRange");
+        assert_eq!(out["event"]["message"], "Cluster IP [IPv4]:198.18.250.5 is not within the service CIDR 198.19.0.208/28; please recreate service");
+        let bad = run.finding("malformed", "198.19.010.5");
+        assert_eq!(bad["event"]["reason"], "ClusterIPNotValid");
+        assert_eq!(bad["event"]["message"], "Cluster IP 198.19.010.5 is not a valid IP; please recreate Service");
+    }
+    // Nothing was taken from the live Service, and the Events reached the Services.
+    assert!(store.has(ip("198.19.0.209")).await.expect("has"));
+    let client = cp.client().await;
+    for (name, reason) in [("second", "ClusterIPAlreadyAllocated"), ("outside", "ClusterIPOutOfRange"), ("malformed", "ClusterIPNotValid")] {
+        eventually(20, &format!("{reason} Event on {name}"), || async { warning_reasons(&client, &ns.name, name).await.iter().any(|(r, _)| r == reason) }).await;
+    }
+    for (key, _) in &injected {
+        let _ = etcd.delete(key.as_str(), None).await;
+    }
+    drop(store);
+    fx.cleanup().await;
+}

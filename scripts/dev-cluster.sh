@@ -277,7 +277,8 @@ unregister_webhooks() {
 wait_ready() {
   local name=$1 deadline=$((SECONDS + ${2:-120}))
   until "ready_$name"; do
-    live_pid "$name" >/dev/null || { tail -n 30 "$state/$name.log" >&2 || true; die "$name exited during start-up (log: $state/$name.log)"; }
+    # (The pid may not show the binary yet — fork before exec — so check it exists.)
+    kill -0 "$(cat "$(pidfile "$name")" 2>/dev/null || echo none)" 2>/dev/null || { tail -n 30 "$state/$name.log" >&2 || true; die "$name exited during start-up (log: $state/$name.log)"; }
     [ $SECONDS -lt $deadline ] || { tail -n 30 "$state/$name.log" >&2 || true; die "$name not ready after ${2:-120}s (log: $state/$name.log)"; }
     sleep 0.5
   done

@@ -102,11 +102,12 @@ async fn exhaustion_and_release(backend: Backend) {
 async fn ipv6_and_two_ranges(backend: Backend) {
     let fx = Fixture::new(backend, &["198.18.4.0/30", "fd00:18:4::/124"]).await;
     let store = fx.open().await;
-    let v6 = store.allocate_next(Family::IPv6, Some(&parent("v6"))).await.expect("IPv6 address");
-    assert!(store.ranges()[1].contains(v6), "{v6}");
-    // The all-ones IPv6 address is usable.
+    // The all-ones IPv6 address is usable (taken first: a dynamic pick from this /124 could
+    // otherwise land on it).
     let last: IpAddr = "fd00:18:4::f".parse().unwrap();
     store.allocate(last, Some(&parent("last"))).await.expect("IPv6 all-ones address is usable");
+    let v6 = store.allocate_next(Family::IPv6, Some(&parent("v6"))).await.expect("IPv6 address");
+    assert!(store.ranges()[1].contains(v6) && v6 != last, "{v6}");
     // IPv4 /30: two usable addresses, then full — the IPv6 range does not help.
     store.allocate_next(Family::IPv4, None).await.expect("1st");
     store.allocate_next(Family::IPv4, None).await.expect("2nd");

@@ -305,6 +305,7 @@ check_tools() {
 }
 
 cmd_up() {
+  "$repo/scripts/lib/ensure-packages.sh" protobuf-compiler openssl iproute2 curl util-linux ca-certificates
   check_tools
   bin_dirs
   if [ -d "$state" ] && all_running; then

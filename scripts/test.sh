@@ -16,6 +16,9 @@ CLUSTERIP_CLUSTER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-test-cluster.XXXXXX
 cleanup() { scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"; }
 trap cleanup EXIT INT TERM
 
+# Debian packages the build and the tests need (protoc, nftables, iproute2, …).
+scripts/lib/ensure-packages.sh
+
 # Compile first (no cluster needed), so a build error shows before anything starts.
 cargo test --workspace --no-run
 

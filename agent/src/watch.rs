@@ -37,54 +37,75 @@ fn slim<K: ResourceExt>(o: &mut K) {
     o.annotations_mut().remove("kubectl.kubernetes.io/last-applied-configuration");
 }
 
-/// Watch Services until the stream ends (it retries with backoff on errors).
-pub async fn services(client: Client, shared: Arc<Shared>, proxy_name: Option<String>) {
-    let api: Api<Service> = Api::all(client);
-    let cfg = watcher::Config::default().labels(&service_selector(proxy_name.as_deref()));
+/// How one watched kind folds into the shared state.
+trait Folded: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static {
+    const KIND: &'static str;
+    fn replace_all(c: &mut crate::sync::Control, list: &[Self]);
+    fn apply(c: &mut crate::sync::Control, o: &Self) -> bool;
+    fn delete(c: &mut crate::sync::Control, key: &NamespacedName) -> bool;
+}
+
+impl Folded for Service {
+    const KIND: &'static str = "Service";
+    fn replace_all(c: &mut crate::sync::Control, list: &[Self]) {
+        c.state.replace_services(list);
+        c.services_synced = true;
+    }
+    fn apply(c: &mut crate::sync::Control, o: &Self) -> bool {
+        c.state.apply_service(o)
+    }
+    fn delete(c: &mut crate::sync::Control, key: &NamespacedName) -> bool {
+        c.state.delete_service(key)
+    }
+}
+
+impl Folded for EndpointSlice {
+    const KIND: &'static str = "EndpointSlice";
+    fn replace_all(c: &mut crate::sync::Control, list: &[Self]) {
+        c.state.replace_slices(list);
+        c.slices_synced = true;
+    }
+    fn apply(c: &mut crate::sync::Control, o: &Self) -> bool {
+        c.state.apply_slice(o)
+    }
+    fn delete(c: &mut crate::sync::Control, key: &NamespacedName) -> bool {
+        c.state.delete_slice(key)
+    }
+}
+
+/// Watch one kind until the stream ends (it retries with backoff on errors): a re-list is
+/// buffered and replaces the kind's state at once; single changes are applied as they come.
+async fn watch<K: Folded>(api: Api<K>, cfg: watcher::Config, shared: Arc<Shared>) {
     let mut stream = watcher::watcher(api, cfg).default_backoff().modify(slim).boxed();
     let mut buffer = Vec::new();
     while let Some(ev) = stream.next().await {
         match ev {
             Ok(Event::Init) => buffer.clear(),
-            Ok(Event::InitApply(s)) => buffer.push(s),
+            Ok(Event::InitApply(o)) => buffer.push(o),
             Ok(Event::InitDone) => {
                 let list = std::mem::take(&mut buffer);
                 shared.update(|c| {
-                    c.state.replace_services(&list);
-                    c.services_synced = true;
+                    K::replace_all(c, &list);
                     true
                 });
             }
-            Ok(Event::Apply(s)) => shared.update(|c| c.state.apply_service(&s)),
-            Ok(Event::Delete(s)) => shared.update(|c| c.state.delete_service(&nsn(&s))),
-            Err(e) => tracing::warn!(error = %e, "Service watch error (retrying)"),
+            Ok(Event::Apply(o)) => shared.update(|c| K::apply(c, &o)),
+            Ok(Event::Delete(o)) => shared.update(|c| K::delete(c, &nsn(&o))),
+            Err(e) => tracing::warn!(error = %e, kind = K::KIND, "watch error (retrying)"),
         }
     }
 }
 
+/// Watch Services until the stream ends (it retries with backoff on errors).
+pub async fn services(client: Client, shared: Arc<Shared>, proxy_name: Option<String>) {
+    let cfg = watcher::Config::default().labels(&service_selector(proxy_name.as_deref()));
+    watch::<Service>(Api::all(client), cfg, shared).await
+}
+
 /// Watch EndpointSlices until the stream ends.
 pub async fn endpoint_slices(client: Client, shared: Arc<Shared>) {
-    let api: Api<EndpointSlice> = Api::all(client);
     let cfg = watcher::Config::default().labels(&format!("!{HEADLESS_LABEL}"));
-    let mut stream = watcher::watcher(api, cfg).default_backoff().modify(slim).boxed();
-    let mut buffer = Vec::new();
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Ok(Event::Init) => buffer.clear(),
-            Ok(Event::InitApply(s)) => buffer.push(s),
-            Ok(Event::InitDone) => {
-                let list = std::mem::take(&mut buffer);
-                shared.update(|c| {
-                    c.state.replace_slices(&list);
-                    c.slices_synced = true;
-                    true
-                });
-            }
-            Ok(Event::Apply(s)) => shared.update(|c| c.state.apply_slice(&s)),
-            Ok(Event::Delete(s)) => shared.update(|c| c.state.delete_slice(&nsn(&s))),
-            Err(e) => tracing::warn!(error = %e, "EndpointSlice watch error (retrying)"),
-        }
-    }
+    watch::<EndpointSlice>(Api::all(client), cfg, shared).await
 }
 
 /// Whether a Node may receive load-balancer traffic (kube-proxy's `NodeEligible`).

@@ -224,9 +224,8 @@ impl OffsetSet {
         let removed = match chunk {
             Chunk::Full => {
                 // Expand to the cheaper of the two layouts holding cap − 1 offsets.
-                let rest = (0..cap).map(|v| v as u16).filter(|&v| v != low);
                 *chunk = if cap - 1 <= ARRAY_MAX as u64 {
-                    Chunk::Array(rest.collect())
+                    Chunk::Array((0..cap).map(|v| v as u16).filter(|&v| v != low).collect())
                 } else {
                     let mut d = Dense::first_n(cap);
                     d.remove(low);

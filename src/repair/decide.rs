@@ -579,14 +579,7 @@ fn service_record_checks(
             kind: Kind::WrongReference,
             address: ip.to_string(),
             owner: format!("{} (record: {})", first.key(), r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "no parentRef".into())),
-            event: (action == Action::Replace).then(|| {
-                service_event(
-                    first,
-                    "ClusterIPNotAllocated",
-                    "ClusterIPAllocation",
-                    format!("the ClusterIP [{fam}]: {ip} for Service {}/{} has a wrong reference; repairing", first.namespace, first.name),
-                )
-            }),
+            event: (action == Action::Replace).then(|| wrong_reference_event(first, fam, ip)),
             action,
             service: Some((first.namespace.clone(), first.name.clone())),
             record: Some(r.clone()),
@@ -611,19 +604,22 @@ fn service_record_checks(
             kind: Kind::WrongLabels,
             address: ip.to_string(),
             owner: format!("{} (labels: {})", first.key(), wrong.join(", ")),
-            event: (action == Action::Replace).then(|| {
-                service_event(
-                    first,
-                    "ClusterIPNotAllocated",
-                    "ClusterIPAllocation",
-                    format!("the ClusterIP [{fam}]: {ip} for Service {}/{} has a wrong reference; repairing", first.namespace, first.name),
-                )
-            }),
+            event: (action == Action::Replace).then(|| wrong_reference_event(first, fam, ip)),
             action,
             service: Some((first.namespace.clone(), first.name.clone())),
             record: Some(r.clone()),
         });
     }
+}
+
+/// Kubernetes' Event for a record that does not point at its Service the way it should.
+fn wrong_reference_event(first: &ServiceView, fam: &str, ip: IpAddr) -> EventText {
+    service_event(
+        first,
+        "ClusterIPNotAllocated",
+        "ClusterIPAllocation",
+        format!("the ClusterIP [{fam}]: {ip} for Service {}/{} has a wrong reference; repairing", first.namespace, first.name),
+    )
 }
 
 fn service_event(svc: &ServiceView, reason: &'static str, action: &'static str, note: String) -> EventText {

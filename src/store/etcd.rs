@@ -284,12 +284,7 @@ impl EtcdStore {
     /// None when the key does not exist.
     pub async fn read_key(cfg: &EtcdConfig, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let mut client = connect(cfg).await?;
-        let resp = match tokio::time::timeout(cfg.request_timeout, client.get(key, None)).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
-            Err(_) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {:?}", cfg.request_timeout))),
-        };
-        Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
+        Ok(get(&mut client, key, cfg.request_timeout).await?.map(|(value, _)| value))
     }
 
     /// Merge every address of `legacy` into the stored map of the same CIDR (a union:
@@ -410,15 +405,20 @@ fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<AllocationMap, 
         .map_err(|e| StoreError::Backend(format!("the allocation map stored at {key} is unreadable ({e}); it was left as it is")))
 }
 
-/// Replace the local copy with what etcd holds now.
-async fn reload(client: &mut Client, key: &str, cidr: &ServiceCidr, view: &Mutex<View>, timeout: Duration) -> Result<(), StoreError> {
+/// One key's value and mod revision (None when absent), within `timeout`.
+async fn get(client: &mut Client, key: &str, timeout: Duration) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
     let resp = match tokio::time::timeout(timeout, client.get(key, None)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
         Err(_) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {timeout:?}"))),
     };
-    let (map, revision) = match resp.kvs().first() {
-        Some(kv) => (decode(key, cidr, kv.value())?, kv.mod_revision()),
+    Ok(resp.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())))
+}
+
+/// Replace the local copy with what etcd holds now.
+async fn reload(client: &mut Client, key: &str, cidr: &ServiceCidr, view: &Mutex<View>, timeout: Duration) -> Result<(), StoreError> {
+    let (map, revision) = match get(client, key, timeout).await? {
+        Some((value, revision)) => (decode(key, cidr, &value)?, revision),
         None => (AllocationMap::new(cidr.clone()), 0),
     };
     let mut v = lock(view);

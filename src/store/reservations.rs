@@ -129,7 +129,7 @@ impl LeaseReservations {
                 .metadata
                 .creation_timestamp
                 .as_ref()
-                .map(|t| chrono_age(&t.0))
+                .map(|t| age(&t.0))
                 .unwrap_or_default();
             if self.recorded.contains(ip) || age > RESERVATION_TTL {
                 let name = lease_name(ip);
@@ -189,7 +189,7 @@ fn now() -> k8s_openapi::jiff::Timestamp {
     k8s_openapi::jiff::Timestamp::now()
 }
 
-fn chrono_age(t: &k8s_openapi::jiff::Timestamp) -> Duration {
+fn age(t: &k8s_openapi::jiff::Timestamp) -> Duration {
     let secs = now().duration_since(*t).as_secs_f64();
     Duration::from_secs_f64(secs.max(0.0))
 }

@@ -49,7 +49,7 @@ fn fill_slash12(c: &mut Criterion) {
     // Memory of a full /12, for the report.
     let mut full = AllocationMap::new(range.clone());
     while full.allocate_next_with(&mut rng).is_ok() {}
-    eprintln!("INFO full_slash12_heap_bytes={} kubernetes_bitmap_bytes={}", full.heap_bytes(), (range.size() + 7) / 8);
+    eprintln!("INFO full_slash12_heap_bytes={} kubernetes_bitmap_bytes={}", full.heap_bytes(), range.size().div_ceil(8));
 }
 
 fn churn_99pct_slash16(c: &mut Criterion) {

@@ -36,14 +36,14 @@ fn histogram_quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
     f64::NAN
 }
 
-async fn webhook_buckets(url: &str, operation: &str) -> Vec<(f64, f64)> {
+async fn webhook_buckets(url: &str, metric: &str, operation: &str) -> Vec<(f64, f64)> {
     let text = match reqwest_lite(url).await {
         Some(t) => t,
         None => return Vec::new(),
     };
     let mut sums: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
     for line in text.lines() {
-        if !line.starts_with("clusterip_webhook_admission_duration_seconds_bucket{") || !line.contains(&format!("operation=\"{operation}\"")) {
+        if !line.starts_with(&format!("clusterip_webhook_{metric}_duration_seconds_bucket{{")) || !line.contains(&format!("operation=\"{operation}\"")) {
             continue;
         }
         let le = line.split("le=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or("");
@@ -111,14 +111,18 @@ async fn main() -> anyhow::Result<()> {
         mean.as_secs_f64() * 1e3
     );
     if let Some(url) = rest.first() {
-        for op in ["mutate", "validate"] {
-            let b = webhook_buckets(url, op).await;
-            println!(
-                "webhook_{op}_p50_ms={:.3} webhook_{op}_p99_ms={:.3} webhook_{op}_count={}",
-                histogram_quantile(&b, 0.5) * 1e3,
-                histogram_quantile(&b, 0.99) * 1e3,
-                b.last().map(|x| x.1).unwrap_or(0.0)
-            );
+        // `admission`: body in hand to answer; `request`: headers to answer (receiving the
+        // body from the kube-apiserver included).
+        for (metric, label) in [("admission", ""), ("request", "_request")] {
+            for op in ["mutate", "validate"] {
+                let b = webhook_buckets(url, metric, op).await;
+                println!(
+                    "webhook_{op}{label}_p50_ms={:.3} webhook_{op}{label}_p99_ms={:.3} webhook_{op}{label}_count={}",
+                    histogram_quantile(&b, 0.5) * 1e3,
+                    histogram_quantile(&b, 0.99) * 1e3,
+                    b.last().map(|x| x.1).unwrap_or(0.0)
+                );
+            }
         }
     }
     let _ = api.delete_collection(&DeleteParams::default(), &ListParams::default()).await;

@@ -5,10 +5,12 @@
 //! |---|---|---|
 //! | `clusterip_allocator_allocated_ips` | gauge | cidr |
 //! | `clusterip_allocator_available_ips` | gauge | cidr |
+//! | `clusterip_allocator_pooled_ips` | gauge | cidr (etcd backend: free addresses held in replicas' address pools) |
 //! | `clusterip_allocator_allocation_total` | counter | cidr, scope (static, dynamic) |
 //! | `clusterip_allocator_allocation_errors_total` | counter | cidr, scope |
 //! | `clusterip_allocator_allocation_duration_seconds` | histogram | cidr |
 //! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate), allowed |
+//! | `clusterip_webhook_request_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_bad_requests_total` | counter | operation |
 //! | `clusterip_reconcile_errors_total` | counter | controller |
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
@@ -61,10 +63,12 @@ pub struct Metrics {
     registry: Registry,
     pub allocated_ips: Family<CidrLabels, Gauge>,
     pub available_ips: Family<CidrLabels, Gauge>,
+    pub pooled_ips: Family<CidrLabels, Gauge>,
     pub allocation_total: Family<ScopeLabels, Counter>,
     pub allocation_errors_total: Family<ScopeLabels, Counter>,
     pub allocation_duration: Family<CidrLabels, Histogram>,
     pub webhook_duration: Family<WebhookLabels, Histogram>,
+    pub webhook_request_duration: Family<WebhookLabels, Histogram>,
     pub webhook_bad_requests: Family<OperationLabels, Counter>,
     pub reconcile_errors: Family<ControllerLabels, Counter>,
     pub repair_ip_errors: Family<RepairLabels, Counter>,
@@ -88,10 +92,12 @@ impl Metrics {
             registry: Registry::with_prefix("clusterip"),
             allocated_ips: Family::default(),
             available_ips: Family::default(),
+            pooled_ips: Family::default(),
             allocation_total: Family::default(),
             allocation_errors_total: Family::default(),
             allocation_duration: Family::new_with_constructor(latency_histogram),
             webhook_duration: Family::new_with_constructor(latency_histogram),
+            webhook_request_duration: Family::new_with_constructor(latency_histogram),
             webhook_bad_requests: Family::default(),
             reconcile_errors: Family::default(),
             repair_ip_errors: Family::default(),
@@ -101,6 +107,11 @@ impl Metrics {
         let alloc = registry.sub_registry_with_prefix("allocator");
         alloc.register("allocated_ips", "Gauge measuring the number of allocated IPs for Services", m.allocated_ips.clone());
         alloc.register("available_ips", "Gauge measuring the number of available IPs for Services", m.available_ips.clone());
+        alloc.register(
+            "pooled_ips",
+            "Gauge measuring the free IPs held ahead of need in the controller replicas' address pools (counted in available_ips)",
+            m.pooled_ips.clone(),
+        );
         alloc.register("allocation", "Number of Cluster IPs allocations", m.allocation_total.clone());
         alloc.register("allocation_errors", "Number of errors trying to allocate Cluster IPs", m.allocation_errors_total.clone());
         alloc.register_with_unit(
@@ -112,9 +123,15 @@ impl Metrics {
         let web = registry.sub_registry_with_prefix("webhook");
         web.register_with_unit(
             "admission_duration",
-            "Time to answer one AdmissionReview, by operation and whether it was allowed",
+            "Time to answer one AdmissionReview once its body is in hand (decode, decide, reserve, encode), by operation and whether it was allowed",
             prometheus_client::registry::Unit::Seconds,
             m.webhook_duration.clone(),
+        );
+        web.register_with_unit(
+            "request_duration",
+            "Time from an admission request's headers to its answer, receiving the body from the kube-apiserver included",
+            prometheus_client::registry::Unit::Seconds,
+            m.webhook_request_duration.clone(),
         );
         web.register("bad_requests", "AdmissionReview requests rejected as malformed (HTTP 400)", m.webhook_bad_requests.clone());
         registry.register("reconcile_errors", "Reconciliation failures, by controller", m.reconcile_errors.clone());
@@ -128,9 +145,12 @@ impl Metrics {
         m
     }
 
-    pub fn webhook_latency(&self, operation: &'static str, allowed: bool, d: Duration) {
-        let allowed = if allowed { "true" } else { "false" };
-        self.webhook_duration.get_or_create(&WebhookLabels { operation, allowed }).observe(d.as_secs_f64());
+    /// One answered admission request: `answer` from the body in hand, `request` from the
+    /// headers.
+    pub fn webhook_latency(&self, operation: &'static str, allowed: bool, answer: Duration, request: Duration) {
+        let labels = WebhookLabels { operation, allowed: if allowed { "true" } else { "false" } };
+        self.webhook_duration.get_or_create(&labels).observe(answer.as_secs_f64());
+        self.webhook_request_duration.get_or_create(&labels).observe(request.as_secs_f64());
     }
 
     pub fn webhook_bad_request(&self, operation: &'static str) {
@@ -147,8 +167,9 @@ impl Metrics {
         self.allocation_duration.get_or_create(&CidrLabels { cidr: cidr.to_string() }).observe(d.as_secs_f64());
     }
 
-    pub fn set_usage(&self, cidr: &str, used: u64, free: u64) {
+    pub fn set_usage(&self, cidr: &str, used: u64, free: u64, pooled: u64) {
         let l = CidrLabels { cidr: cidr.to_string() };
+        self.pooled_ips.get_or_create(&l).set(i64::try_from(pooled).unwrap_or(i64::MAX));
         self.allocated_ips.get_or_create(&l).set(i64::try_from(used).unwrap_or(i64::MAX));
         self.available_ips.get_or_create(&l).set(i64::try_from(free).unwrap_or(i64::MAX));
     }

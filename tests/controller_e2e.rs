@@ -22,6 +22,12 @@ use clusterip_test_support::{control_plane, unique_name, ControlPlane};
 const OUR_V4: &str = "198.19.0.0/17";
 const OUR_V6: &str = "fd00:10:96::/113";
 
+/// One burst at a time. Each test runs its own controllers with their own records, and they
+/// all assign from the same ranges of one apiserver: two bursts side by side are two
+/// independent allocators, which a real cluster never has (they could pick the same
+/// address in the moment between one's answer and the apiserver's IPAddress record).
+static BURST: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
@@ -228,6 +234,9 @@ async fn expect_422(api: &Api<Service>, svc: &Service, contains: &str) {
 }
 
 async fn admission_cases(backend: &str) {
+    // Static addresses of our static band, one pair per backend: the two backends' cases run
+    // side by side against the same apiserver, where an address is cluster-wide.
+    let (st, dry_ip) = if backend == "etcd" { ("198.19.0.77", "198.19.0.88") } else { ("198.19.0.78", "198.19.0.89") };
     let cp = control_plane();
     let wh = Webhook::start(&cp, backend).await;
     let api = wh.services();
@@ -245,11 +254,11 @@ async fn admission_cases(backend: &str) {
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("services/{}/dynamic", wh.namespace), "{}", String::from_utf8_lossy(&out.stderr));
 
     // Static: honoured (an address of our static band).
-    let svc = api.create(&PostParams::default(), &service("static", |s| s.cluster_ip = Some("198.19.0.77".into()))).await.expect("static");
-    assert_eq!(ips(&svc), vec!["198.19.0.77".parse::<IpAddr>().unwrap()]);
+    let svc = api.create(&PostParams::default(), &service("static", |s| s.cluster_ip = Some(st.into()))).await.expect("static");
+    assert_eq!(ips(&svc), vec![st.parse::<IpAddr>().unwrap()]);
 
     // Duplicate: the address the previous Service holds.
-    expect_422(&api, &service("dup", |s| s.cluster_ip = Some("198.19.0.77".into())), "failed to allocate IP 198.19.0.77: provided IP is already allocated").await;
+    expect_422(&api, &service("dup", |s| s.cluster_ip = Some(st.into())), &format!("failed to allocate IP {st}: provided IP is already allocated")).await;
     // Outside our ranges, though inside the apiserver's.
     expect_422(
         &api,
@@ -296,22 +305,22 @@ async fn admission_cases(backend: &str) {
 
     // Dry-run reserves nothing: the same static address twice in dry-run both pass.
     let dry = PostParams { dry_run: true, ..Default::default() };
-    api.create(&dry, &service("dry1", |s| s.cluster_ip = Some("198.19.0.88".into()))).await.expect("dry-run 1");
-    api.create(&dry, &service("dry2", |s| s.cluster_ip = Some("198.19.0.88".into()))).await.expect("dry-run 2");
-    api.create(&PostParams::default(), &service("real88", |s| s.cluster_ip = Some("198.19.0.88".into()))).await.expect("after dry-runs the address is free");
+    api.create(&dry, &service("dry1", |s| s.cluster_ip = Some(dry_ip.into()))).await.expect("dry-run 1");
+    api.create(&dry, &service("dry2", |s| s.cluster_ip = Some(dry_ip.into()))).await.expect("dry-run 2");
+    api.create(&PostParams::default(), &service("real88", |s| s.cluster_ip = Some(dry_ip.into()))).await.expect("after dry-runs the address is free");
 
     // Delete releases: the address of a deleted Service can be requested again once the
     // leader's Service reconciler has seen the delete.
     api.delete("static", &DeleteParams::default()).await.expect("delete");
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match api.create(&PostParams::default(), &service("static-again", |s| s.cluster_ip = Some("198.19.0.77".into()))).await {
+        match api.create(&PostParams::default(), &service("static-again", |s| s.cluster_ip = Some(st.into()))).await {
             Ok(svc) => {
-                assert_eq!(ips(&svc), vec!["198.19.0.77".parse::<IpAddr>().unwrap()]);
+                assert_eq!(ips(&svc), vec![st.parse::<IpAddr>().unwrap()]);
                 break;
             }
             Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("already allocated") => {
-                assert!(Instant::now() < deadline, "198.19.0.77 not released within 30s of its Service's deletion");
+                assert!(Instant::now() < deadline, "{st} not released within 30s of its Service's deletion");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => panic!("unexpected error: {e}"),
@@ -320,6 +329,7 @@ async fn admission_cases(backend: &str) {
 }
 
 async fn concurrent_creates(backend: &str, n: usize) {
+    let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
     // Two replicas behind a round-robin proxy, as the Deployment runs them.
     let wh = Webhook::start_replicas(&cp, backend, 2).await;
@@ -372,6 +382,7 @@ async fn ipaddress_backend_leader_killed_during_a_burst() {
 
 async fn leader_killed_during_a_burst(backend: &str) {
     use k8s_openapi::api::coordination::v1::Lease;
+    let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
     let mut wh = Webhook::start_replicas(&cp, backend, 2).await;
     let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
@@ -484,7 +495,8 @@ async fn servicecidr_finalizer_ready_and_terminating() {
         sc.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| c.iter().find(|c| c.type_ == "Ready")).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
     };
     let has_finalizer = |sc: &ServiceCIDR| sc.metadata.finalizers.iter().flatten().any(|f| f == "networking.k8s.io/service-cidr-finalizer");
-    let poll = |what: &'static str, f: Box<dyn Fn(&Option<ServiceCIDR>) -> bool + Send>| {
+    type Check = Box<dyn Fn(&Option<ServiceCIDR>) -> bool + Send>;
+    let poll = |what: &'static str, f: Check| {
         let cidrs = cidrs.clone();
         let name = name.clone();
         async move {

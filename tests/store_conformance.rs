@@ -1,5 +1,6 @@
 //! One conformance suite, run unchanged against both backends: the etcd allocation map (real
-//! etcd of the test control plane) and IPAddress objects (its real kube-apiserver).
+//! etcd of the test control plane; with and without the controller's address pool) and
+//! IPAddress objects (its real kube-apiserver).
 //!
 //! Each test takes its own range from 198.18.0.0/15 and, for etcd, its own key prefix, so
 //! tests run side by side and re-runs against a reused cluster start clean.
@@ -19,6 +20,7 @@ use store_common::{run_allocators, Backend, Fixture};
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod etcd { $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::$name(super::Backend::Etcd).await } )* }
+        mod etcd_pooled { $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::$name(super::Backend::EtcdPooled).await } )* }
         mod ipaddress { $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::$name(super::Backend::IpAddress).await } )* }
     };
 }
@@ -137,7 +139,7 @@ async fn restart_sees_the_same_state(backend: Backend) {
 
 async fn eight_processes_no_duplicates(backend: Backend) {
     let cidr = match backend {
-        Backend::Etcd => "198.18.64.0/18",
+        Backend::Etcd | Backend::EtcdPooled => "198.18.64.0/18",
         Backend::IpAddress => "198.18.128.0/18",
     };
     let fx = Fixture::new(backend, &[cidr]).await;

@@ -49,7 +49,7 @@ impl Dense {
         let mut d = Dense::empty();
         let whole = (n / 64) as usize;
         d.words[..whole].fill(u64::MAX);
-        if n % 64 != 0 {
+        if !n.is_multiple_of(64) {
             d.words[whole] = (1u64 << (n % 64)) - 1;
         }
         for w in 0..whole {

@@ -69,13 +69,21 @@ impl BackendArgs {
 
     /// Open the chosen backend.
     pub async fn open(&self) -> anyhow::Result<Arc<dyn AllocationStore>> {
+        self.open_with_pool(0).await
+    }
+
+    /// Open the chosen backend; the etcd backend keeps an address pool of `pool_size`
+    /// addresses per range (0 = none; see `clusterip controller --etcd-address-pool`).
+    pub async fn open_with_pool(&self, pool_size: usize) -> anyhow::Result<Arc<dyn AllocationStore>> {
         let ranges = self.ranges()?;
         match self.backend {
             BackendKind::Etcd => {
                 if ranges.is_empty() {
                     anyhow::bail!("the etcd backend needs at least one --service-cidr");
                 }
-                let store = EtcdStore::open(&self.etcd.clone().into(), ranges).await?;
+                let mut cfg: crate::store::etcd::EtcdConfig = self.etcd.clone().into();
+                cfg.pool_size = pool_size;
+                let store = EtcdStore::open(&cfg, ranges).await?;
                 Ok(Arc::new(store))
             }
             BackendKind::Ipaddress => {

@@ -15,24 +15,31 @@
 //!   callers get `Unavailable`, the local copy is marked stale and re-read before the next
 //!   transaction; an allocation whose acknowledgement was lost is a leak for repair to
 //!   reclaim, never a second owner.
+//! - With an address pool (`pool_size > 0`, the controller), dynamic requests are answered
+//!   from addresses this process recorded ahead of need; see [`super::etcd_pool`] for how
+//!   pool keys, the lease and claims keep that race-free.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, Identity, TlsOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions, Txn,
+    TxnOp, TxnOpResponse, WatchOptions,
 };
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{Family, ServiceCidr};
 
+use super::etcd_pool::{
+    claim_key, decode_pool, encode_pool, pool_prefix, pool_target, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_TIMEOUT, LEASE_MARGIN, LEASE_TTL,
+};
 use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
 
 /// How the etcd backend connects and batches. Flags: see [`EtcdArgs`].
@@ -49,6 +56,9 @@ pub struct EtcdConfig {
     pub request_timeout: Duration,
     /// Most requests made durable in one transaction; 1 turns group commit off.
     pub max_batch: usize,
+    /// Addresses per range this process records ahead of need and hands out from memory
+    /// (the controller's `--etcd-address-pool`); 0 = none.
+    pub pool_size: usize,
 }
 
 impl Default for EtcdConfig {
@@ -64,6 +74,7 @@ impl Default for EtcdConfig {
             dial_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(5),
             max_batch: DEFAULT_MAX_BATCH,
+            pool_size: 0,
         }
     }
 }
@@ -122,6 +133,7 @@ impl From<EtcdArgs> for EtcdConfig {
             dial_timeout: a.dial_timeout,
             request_timeout: a.request_timeout,
             max_batch: a.max_batch,
+            pool_size: 0,
         }
     }
 }
@@ -193,24 +205,55 @@ pub fn range_key(prefix: &str, cidr: &ServiceCidr) -> String {
     format!("{}/{}", prefix.trim_end_matches('/'), cidr)
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Op {
     Allocate(IpAddr),
     AllocateNext,
     Release(IpAddr),
+    /// Record up to this many addresses into this replica's pool (see [`super::etcd_pool`]).
+    Fill(usize),
+    /// Rewrite this replica's pool key to what its pool holds now.
+    SyncPool,
+    /// Release these addresses (the pool, returned on shutdown) and delete the pool key.
+    Return(Vec<IpAddr>),
 }
 
-type Reply = Result<Option<IpAddr>, StoreError>;
+/// Per op: the addresses it recorded (none for a release).
+type Reply = Result<Vec<IpAddr>, StoreError>;
 
 struct Request {
     op: Op,
-    reply: oneshot::Sender<Reply>,
+    /// None for background work (pool fills and syncs) nobody waits for.
+    reply: Option<oneshot::Sender<Reply>>,
 }
 
-/// The local copy of one range: the map as of `revision` (0 = the key does not exist).
+/// The local copy of one range: the map as of `revision` (0 = the key does not exist), and
+/// every replica's pool key and pending claim under the range key.
 struct View {
     map: AllocationMap,
     revision: i64,
+    /// Highest etcd revision read (by a get or the watch) under the range key's prefix.
+    watched: i64,
+    /// Pool member → the addresses its pool key lists.
+    pools: BTreeMap<String, BTreeSet<IpAddr>>,
+}
+
+impl View {
+    /// The member whose pool key lists `ip`.
+    fn pool_owner(&self, ip: IpAddr) -> Option<&str> {
+        self.pools.iter().find(|(_, s)| s.contains(&ip)).map(|(m, _)| m.as_str())
+    }
+
+    /// Held in a pool: ours as our memory says (our pool key may still list addresses we
+    /// handed out a moment ago), another replica's as its pool key says.
+    fn pooled(&self, ip: IpAddr, own: &OwnPool, own_member: Option<&str>, range: usize) -> bool {
+        own.holds(range, ip) || self.pool_owner(ip).is_some_and(|m| Some(m) != own_member)
+    }
+
+    /// Allocated in the map and not held in anyone's pool: a record of some object.
+    fn records(&self, ip: IpAddr, own: &OwnPool, own_member: Option<&str>, range: usize) -> bool {
+        self.map.has(ip) && !self.pooled(ip, own, own_member, range)
+    }
 }
 
 struct Range {
@@ -219,10 +262,19 @@ struct Range {
     queue: mpsc::Sender<Request>,
 }
 
+/// Claims this process is waiting on: address → where the owner's answer goes.
+type Waiters = Arc<Mutex<HashMap<IpAddr, oneshot::Sender<ClaimAnswer>>>>;
+
 /// Allocation records in etcd. Cheap to share (`Arc`); background tasks end when dropped.
 pub struct EtcdStore {
     ranges: RangeSet,
     per_range: Vec<Range>,
+    client: Client,
+    timeout: Duration,
+    pool: Arc<OwnPool>,
+    /// Our name in claims we make.
+    name: String,
+    waiters: Waiters,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -234,35 +286,73 @@ impl Drop for EtcdStore {
     }
 }
 
+/// Everything the watch of one range needs to act on what it sees.
+#[derive(Clone)]
+struct RangeCtx {
+    index: usize,
+    key: String,
+    cidr: ServiceCidr,
+    view: Arc<Mutex<View>>,
+    pool: Arc<OwnPool>,
+    queue: mpsc::Sender<Request>,
+    name: String,
+    waiters: Waiters,
+    client: Client,
+    timeout: Duration,
+}
+
+/// Queue background work for a range's committer; dropped when the queue is full (a later
+/// pop asks again).
+fn enqueue(queue: &mpsc::Sender<Request>, op: Op) {
+    let _ = queue.try_send(Request { op, reply: None });
+}
+
+fn unique_name() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or_default();
+    format!("p{}-{nanos:x}", std::process::id())
+}
+
 impl EtcdStore {
     /// Connect, read every range's key (absent = empty) and start the committers and watches.
+    /// With `cfg.pool_size > 0` this replica also keeps an address pool per range.
     pub async fn open(cfg: &EtcdConfig, cidrs: Vec<ServiceCidr>) -> Result<Self, StoreError> {
         if cidrs.is_empty() {
             return Err(StoreError::Backend("no service CIDR configured".into()));
         }
         let client = connect(cfg).await?;
+        let targets: Vec<usize> = cidrs.iter().map(|c| pool_target(cfg.pool_size, c)).collect();
+        let pool = Arc::new(OwnPool::new(&targets));
+        let name = unique_name();
+        let waiters: Waiters = Arc::default();
         let mut per_range = Vec::new();
         let mut tasks = Vec::new();
-        for cidr in &cidrs {
+        for (index, cidr) in cidrs.iter().enumerate() {
             let key = range_key(&cfg.prefix, cidr);
-            let view = Arc::new(Mutex::new(View { map: AllocationMap::new(cidr.clone()), revision: 0 }));
-            let mut c = client.clone();
-            reload(&mut c, &key, cidr, &view, cfg.request_timeout).await?;
+            let view = Arc::new(Mutex::new(View { map: AllocationMap::new(cidr.clone()), revision: 0, watched: 0, pools: BTreeMap::new() }));
             let (tx, rx) = mpsc::channel(65536);
-            let committer = Committer {
-                client: client.clone(),
+            let ctx = RangeCtx {
+                index,
                 key: key.clone(),
                 cidr: cidr.clone(),
                 view: view.clone(),
+                pool: pool.clone(),
+                queue: tx.clone(),
+                name: name.clone(),
+                waiters: waiters.clone(),
+                client: client.clone(),
                 timeout: cfg.request_timeout,
-                max_batch: cfg.max_batch.max(1),
-                stale: false,
             };
+            reload(&ctx).await?;
+            let committer = Committer { ctx: ctx.clone(), max_batch: cfg.max_batch.max(1), stale: false };
             tasks.push(tokio::spawn(committer.run(rx)));
-            tasks.push(tokio::spawn(watch_range(client.clone(), key.clone(), cidr.clone(), view.clone(), cfg.request_timeout)));
+            tasks.push(tokio::spawn(watch_range(ctx)));
             per_range.push(Range { key, view, queue: tx });
         }
-        Ok(Self { ranges: RangeSet::new(cidrs), per_range, tasks })
+        let queues: Vec<_> = per_range.iter().map(|r| r.queue.clone()).collect();
+        if pool.enabled() {
+            tasks.push(tokio::spawn(keep_lease(client.clone(), pool.clone(), queues)));
+        }
+        Ok(Self { ranges: RangeSet::new(cidrs), per_range, client, timeout: cfg.request_timeout, pool, name, waiters, tasks })
     }
 
     /// The etcd key of each range.
@@ -270,11 +360,22 @@ impl EtcdStore {
         self.per_range.iter().map(|r| r.key.clone()).collect()
     }
 
+    /// Addresses this replica holds in its pool, per range (in configuration order).
+    pub fn pooled(&self) -> Vec<usize> {
+        (0..self.per_range.len()).map(|i| self.pool.len(i)).collect()
+    }
+
+    /// Whether this replica's pool can hand out addresses now (a pool is configured, its
+    /// lease is alive and at least one address is pooled).
+    pub fn pool_ready(&self) -> bool {
+        self.pool.live_lease(Instant::now()).is_some() && self.pool.targets().iter().enumerate().all(|(i, t)| *t == 0 || self.pool.len(i) > 0)
+    }
+
     async fn submit(&self, range: usize, op: Op) -> Reply {
         let (reply, answer) = oneshot::channel();
         self.per_range[range]
             .queue
-            .send(Request { op, reply })
+            .send(Request { op, reply: Some(reply) })
             .await
             .map_err(|_| StoreError::Unavailable("etcd committer stopped".into()))?;
         answer.await.map_err(|_| StoreError::Unavailable("etcd committer stopped".into()))?
@@ -314,6 +415,163 @@ impl EtcdStore {
     fn describe(&self) -> String {
         self.ranges.cidrs().iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")
     }
+
+    /// Ask the replica `owner` for `ip`, which its pool key lists (see the module docs of
+    /// [`super::etcd_pool`]).
+    async fn claim(&self, range: usize, ip: IpAddr, owner: String) -> Result<(), StoreError> {
+        match self.ask_owner(range, ip, &owner).await? {
+            Some(ClaimAnswer::Granted) => {
+                debug!(%ip, %owner, "took the address from another replica's pool");
+                Ok(())
+            }
+            // Refused (handed out), or another request is claiming it right now.
+            Some(ClaimAnswer::Refused) | None => Err(StoreError::Alloc(AllocError::Allocated)),
+        }
+    }
+
+    /// Write a claim on `ip` and wait for `owner`'s answer. None: another request of any
+    /// process claims the same address right now (and may get it).
+    async fn ask_owner(&self, range: usize, ip: IpAddr, owner: &str) -> Result<Option<ClaimAnswer>, StoreError> {
+        let owner = owner.to_string();
+        let key = claim_key(&self.per_range[range].key, ip);
+        let (tx, answer) = oneshot::channel();
+        {
+            let mut w = lock(&self.waiters);
+            if w.contains_key(&ip) {
+                // Another request of this process is claiming the same address.
+                return Ok(None);
+            }
+            w.insert(ip, tx);
+        }
+        let claim = Claim { owner: owner.clone(), claimant: self.name.clone(), answer: None };
+        let body = serde_json::to_vec(&claim).map_err(|e| StoreError::Backend(format!("encoding a claim: {e}")))?;
+        let opts = self.pool.lease().map(|l| PutOptions::new().with_lease(l.id));
+        let txn = Txn::new()
+            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), body, opts)]);
+        let mut client = self.client.clone();
+        let put = tokio::time::timeout(self.timeout, client.txn(txn)).await;
+        let created = match put {
+            Ok(Ok(r)) => r.succeeded(),
+            Ok(Err(e)) => {
+                lock(&self.waiters).remove(&ip);
+                return Err(StoreError::Unavailable(format!("claiming {ip} from the pool of {owner}: {e}")));
+            }
+            Err(_) => {
+                lock(&self.waiters).remove(&ip);
+                return Err(StoreError::Unavailable(format!("claiming {ip} from the pool of {owner}: no answer from etcd within {:?}", self.timeout)));
+            }
+        };
+        if !created {
+            // Someone else claims it right now: one of us gets it, and it is not us.
+            lock(&self.waiters).remove(&ip);
+            return Ok(None);
+        }
+        let answer = tokio::time::timeout(CLAIM_TIMEOUT, answer).await;
+        lock(&self.waiters).remove(&ip);
+        if let Err(e) = tokio::time::timeout(self.timeout, client.delete(key.clone(), None)).await.map_err(|_| "timeout".to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+            debug!(%key, error = %e, "could not delete an answered claim; it is harmless and overwritten by the next claim");
+        }
+        match answer {
+            Ok(Ok(a)) => {
+                // Granted or refused, the owner does not pool it (any more): its pool key may
+                // still list it until the owner rewrites it; our copy stops believing it now.
+                if let Some(listed) = lock(&self.per_range[range].view).pools.get_mut(&owner) {
+                    listed.remove(&ip);
+                }
+                Ok(Some(a))
+            }
+            _ => Err(StoreError::Unavailable(format!(
+                "{ip} is held in the address pool of replica {owner}, which did not answer a claim within {CLAIM_TIMEOUT:?}; retry"
+            ))),
+        }
+    }
+
+    /// An address from this replica's pool, queueing the pool key rewrite and the refill it
+    /// calls for.
+    fn pop_pooled(&self, range: usize) -> Option<IpAddr> {
+        let p = self.pool.pop(range, Instant::now())?;
+        let queue = &self.per_range[range].queue;
+        if p.sync {
+            enqueue(queue, Op::SyncPool);
+        }
+        if let Some(n) = p.refill {
+            enqueue(queue, Op::Fill(n));
+        }
+        Some(p.ip)
+    }
+
+    /// Kubernetes' band rule: a dynamic request gets a static-band address only when the
+    /// dynamic band is full. Pools hold dynamic addresses in reserve, so when the map's pick
+    /// is static while a pool (ours, just refilled, or another replica's) still holds a
+    /// dynamic one, take that instead and give the static one back.
+    async fn prefer_dynamic(&self, range: usize, ip: IpAddr) -> IpAddr {
+        if !in_static_band(&self.ranges.cidrs()[range], ip) {
+            return ip;
+        }
+        let better = match self.pop_pooled(range) {
+            Some(ip) => Some(ip),
+            None => self.claim_any(range).await,
+        };
+        let Some(better) = better else { return ip };
+        if let Err(e) = self.submit(range, Op::Release(ip)).await {
+            debug!(%ip, error = %e, "could not give back a static-band address; the repair pass reclaims it");
+        }
+        better
+    }
+
+    /// The range is full but for other replicas' pools: claim one of their addresses (a few
+    /// candidates, in turn), so pools never make a range look full before it is.
+    async fn claim_any(&self, range: usize) -> Option<IpAddr> {
+        const CANDIDATES: usize = 16;
+        let own = self.pool.lease().map(|l| l.member());
+        let candidates: Vec<(IpAddr, String)> = {
+            let view = lock(&self.per_range[range].view);
+            view.pools
+                .iter()
+                .filter(|(m, _)| Some(m.as_str()) != own.as_deref())
+                .flat_map(|(m, ips)| ips.iter().map(move |ip| (*ip, m.clone())))
+                .take(CANDIDATES)
+                .collect()
+        };
+        // An owner that does not answer (dead, its lease not yet expired) is asked once.
+        let mut silent: BTreeSet<String> = BTreeSet::new();
+        for (ip, owner) in candidates {
+            if silent.contains(&owner) {
+                continue;
+            }
+            match self.claim(range, ip, owner.clone()).await {
+                Ok(()) => return Some(ip),
+                Err(e) => {
+                    debug!(%ip, error = %e, "claiming a pooled address failed; trying the next");
+                    if e.is_transient() {
+                        silent.insert(owner);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Give this replica's pool back (release its addresses, delete its pool keys) and
+    /// revoke its lease. Called on shutdown; a replica that dies without it leaves its pool
+    /// to the lease TTL and the repair pass.
+    pub async fn return_pool(&self) -> Result<usize, StoreError> {
+        self.pool.close();
+        let Some(lease) = self.pool.lease() else { return Ok(0) };
+        let mut returned = 0;
+        for (i, _) in self.per_range.iter().enumerate() {
+            let ips = self.pool.take_all(i);
+            returned += ips.len();
+            self.submit(i, Op::Return(ips)).await?;
+        }
+        self.pool.set_lease(None);
+        let mut client = self.client.clone();
+        if let Err(e) = client.lease_revoke(lease.id).await {
+            debug!(error = %e, "revoking the pool lease failed; it expires by itself");
+        }
+        Ok(returned)
+    }
 }
 
 async fn drain_import<F: std::future::Future<Output = Reply>>(
@@ -342,16 +600,42 @@ impl AllocationStore for EtcdStore {
 
     async fn allocate(&self, ip: IpAddr, _parent: Option<&ParentRef>) -> Result<(), StoreError> {
         let range = self.ranges.index_of(ip)?;
+        if self.pool.take(range, ip) {
+            // Ours, pooled: it is recorded already; the pool key is rewritten without it.
+            enqueue(&self.per_range[range].queue, Op::SyncPool);
+            return Ok(());
+        }
+        let owner = lock(&self.per_range[range].view).pool_owner(ip).map(str::to_string);
+        if let Some(owner) = owner {
+            if self.pool.lease().map(|l| l.member()) == Some(owner.clone()) {
+                // Our pool key still lists it, but our pool no longer holds it: handed out.
+                return Err(StoreError::Alloc(AllocError::Allocated));
+            }
+            return self.claim(range, ip, owner).await;
+        }
         self.submit(range, Op::Allocate(ip)).await.map(|_| ())
     }
 
     async fn allocate_next(&self, family: Family, _parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
         let mut last = None;
         for range in self.ranges.of_family(family)? {
+            if let Some(ip) = self.pop_pooled(range) {
+                return Ok(ip);
+            }
+            if let Some(n) = self.pool.start_fill(range, Instant::now()) {
+                enqueue(&self.per_range[range].queue, Op::Fill(n));
+            }
             match self.submit(range, Op::AllocateNext).await {
-                Ok(Some(ip)) => return Ok(ip),
-                Ok(None) => last = Some(StoreError::Alloc(AllocError::Full)),
-                Err(StoreError::Alloc(AllocError::Full)) => last = Some(StoreError::Alloc(AllocError::Full)),
+                Ok(ips) if !ips.is_empty() => return Ok(self.prefer_dynamic(range, ips[0]).await),
+                // Full but for pools: ours (a refill may have landed in the same
+                // transaction) or another replica's.
+                Ok(_) | Err(StoreError::Alloc(AllocError::Full)) => match self.pop_pooled(range) {
+                    Some(ip) => return Ok(ip),
+                    None => match self.claim_any(range).await {
+                        Some(ip) => return Ok(ip),
+                        None => last = Some(StoreError::Alloc(AllocError::Full)),
+                    },
+                },
                 Err(e) => return Err(e),
             }
         }
@@ -359,44 +643,73 @@ impl AllocationStore for EtcdStore {
     }
 
     async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
-        match self.ranges.index_of(ip) {
-            Ok(range) => self.submit(range, Op::Release(ip)).await.map(|_| ()),
-            Err(_) => Ok(()),
+        let Ok(range) = self.ranges.index_of(ip) else { return Ok(()) };
+        if self.pool.holds(range, ip) {
+            return Ok(()); // pooled here: free already
         }
+        let own = self.pool.lease().map(|l| l.member());
+        let other_pool = lock(&self.per_range[range].view).pool_owner(ip).map(str::to_string).filter(|m| Some(m) != own.as_ref());
+        if let Some(owner) = other_pool {
+            // Another replica's pool key lists it: still pooled there, or handed out a moment
+            // ago (the key is rewritten after hand-outs). Only the owner knows; ask it with a
+            // claim. Granted: it left the pool and is ours now; refused: it was handed out,
+            // so it is a record. Either way it is released below; the map is never changed
+            // while the owner could still hand it out.
+            if self.ask_owner(range, ip, &owner).await?.is_none() {
+                return Err(StoreError::Unavailable(format!("{ip} is being claimed from the address pool of replica {owner} right now; retry the release")));
+            }
+        }
+        self.submit(range, Op::Release(ip)).await.map(|_| ())
     }
 
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        let member = self.pool.lease().map(|l| l.member());
         match self.ranges.index_of(ip) {
-            Ok(range) => Ok(lock(&self.per_range[range].view).map.has(ip)),
+            Ok(range) => Ok(lock(&self.per_range[range].view).records(ip, &self.pool, member.as_deref(), range)),
             Err(_) => Ok(false),
         }
     }
 
     async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
+        let member = self.pool.lease().map(|l| l.member());
         let mut all = Vec::new();
-        for r in &self.per_range {
-            all.extend(lock(&r.view).map.iter());
+        for (i, r) in self.per_range.iter().enumerate() {
+            let v = lock(&r.view);
+            all.extend(v.map.iter().filter(|ip| v.records(*ip, &self.pool, member.as_deref(), i)));
         }
         all.sort();
         Ok(all)
     }
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
+        let member = self.pool.lease().map(|l| l.member());
         Ok(self
             .per_range
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 let v = lock(&r.view);
-                RangeUsage { cidr: v.map.cidr().clone(), used: v.map.used(), free: v.map.free() }
+                let mut pooled: BTreeSet<IpAddr> = v.pools.iter().filter(|(m, _)| Some(m.as_str()) != member.as_deref()).flat_map(|(_, s)| s.iter().copied()).collect();
+                pooled.extend(self.pool.listing_peek(i));
+                let pooled = pooled.into_iter().filter(|ip| v.map.has(*ip)).count() as u64;
+                RangeUsage { cidr: v.map.cidr().clone(), used: v.map.used() - pooled, free: v.map.free() + pooled, pooled }
             })
             .collect())
     }
+
+    async fn close(&self) -> Result<(), StoreError> {
+        let n = self.return_pool().await?;
+        if n > 0 {
+            info!(returned = n, "returned the address pool");
+        }
+        Ok(())
+    }
 }
 
-fn lock(view: &Mutex<View>) -> std::sync::MutexGuard<'_, View> {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A poisoned lock only means another task panicked mid-update of a plain value; the
     // next transaction re-validates against etcd, so keep going with what is there.
-    view.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Decode a stored value into a map for `cidr`.
@@ -415,27 +728,157 @@ async fn get(client: &mut Client, key: &str, timeout: Duration) -> Result<Option
     Ok(resp.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())))
 }
 
-/// Replace the local copy with what etcd holds now.
-async fn reload(client: &mut Client, key: &str, cidr: &ServiceCidr, view: &Mutex<View>, timeout: Duration) -> Result<(), StoreError> {
-    let (map, revision) = match get(client, key, timeout).await? {
-        Some((value, revision)) => (decode(key, cidr, &value)?, revision),
-        None => (AllocationMap::new(cidr.clone()), 0),
+/// What a key under a range's prefix is.
+enum Under<'a> {
+    Map,
+    Pool(&'a str),
+    Claim(IpAddr),
+    Other,
+}
+
+fn classify<'a>(range_key: &str, key: &'a str) -> Under<'a> {
+    if key == range_key {
+        return Under::Map;
+    }
+    let Some(rest) = key.strip_prefix(range_key).and_then(|r| r.strip_prefix('/')) else { return Under::Other };
+    if let Some(member) = rest.strip_prefix("pool/") {
+        return Under::Pool(member);
+    }
+    match rest.strip_prefix("claim/").map(crate::cidr::parse_ip) {
+        Some(Ok(ip)) => Under::Claim(ip),
+        _ => Under::Other,
+    }
+}
+
+/// Apply one key's new value (None = deleted) at `mod_revision` to the view, and act on a
+/// claim: answer one addressed to our pool, or wake our waiter on an answered one.
+fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
+    let mut v = lock(&ctx.view);
+    v.watched = v.watched.max(mod_revision);
+    match classify(&ctx.key, key) {
+        Under::Map => {
+            if mod_revision <= v.revision {
+                return;
+            }
+            match value {
+                Some(value) => match AllocationMap::restore(&ctx.cidr, value) {
+                    Ok(map) => {
+                        v.map = map;
+                        v.revision = mod_revision;
+                    }
+                    Err(e) => warn!(key = %ctx.key, error = %e, "ignoring an unreadable allocation map from the watch"),
+                },
+                None => {
+                    v.map = AllocationMap::new(ctx.cidr.clone());
+                    v.revision = 0;
+                }
+            }
+        }
+        Under::Pool(member) => match value {
+            Some(value) => {
+                v.pools.insert(member.to_string(), decode_pool(value));
+            }
+            None => {
+                v.pools.remove(member);
+            }
+        },
+        Under::Claim(ip) => {
+            drop(v);
+            let Some(claim) = value.and_then(|b| serde_json::from_slice::<Claim>(b).ok()) else { return };
+            match claim.answer {
+                Some(answer) if claim.claimant == ctx.name => {
+                    if let Some(tx) = lock(&ctx.waiters).remove(&ip) {
+                        let _ = tx.send(answer);
+                    }
+                }
+                None if ctx.pool.lease().map(|l| l.member()) == Some(claim.owner.clone()) => {
+                    let ctx = ctx.clone();
+                    let key = key.to_string();
+                    tokio::spawn(async move { answer_claim(ctx, key, ip, claim).await });
+                }
+                _ => {}
+            }
+        }
+        Under::Other => {}
+    }
+}
+
+/// The owner's side of a claim: take the address out of our pool (from then on we never
+/// hand it out) and say whether we still had it.
+async fn answer_claim(ctx: RangeCtx, key: String, ip: IpAddr, claim: Claim) {
+    let granted = ctx.pool.take(ctx.index, ip);
+    if granted {
+        enqueue(&ctx.queue, Op::SyncPool);
+    }
+    let answer = Claim { answer: Some(if granted { ClaimAnswer::Granted } else { ClaimAnswer::Refused }), ..claim };
+    let Ok(body) = serde_json::to_vec(&answer) else { return };
+    // Only while the claim exists (the claimant may have given up), keeping its lease.
+    let txn = Txn::new()
+        .when([Compare::version(key.clone(), CompareOp::Greater, 0)])
+        .and_then([TxnOp::put(key.clone(), body, Some(PutOptions::new().with_ignore_lease()))]);
+    let mut client = ctx.client.clone();
+    match tokio::time::timeout(ctx.timeout, client.txn(txn)).await {
+        Ok(Ok(r)) if r.succeeded() => debug!(%ip, granted, claimant = %answer.claimant, "answered a claim on a pooled address"),
+        Ok(Ok(_)) => debug!(%ip, "a claim was withdrawn before it was answered; the address is left to repair"),
+        Ok(Err(e)) => warn!(%ip, error = %e, "could not answer a claim on a pooled address"),
+        Err(_) => warn!(%ip, "could not answer a claim on a pooled address: etcd did not answer"),
+    }
+}
+
+/// Replace the local copy with what etcd holds now under the range key's prefix.
+async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
+    let key = &ctx.key;
+    let mut client = ctx.client.clone();
+    let resp = match tokio::time::timeout(ctx.timeout, client.get(key.as_str(), Some(GetOptions::new().with_prefix()))).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
+        Err(_) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {:?}", ctx.timeout))),
     };
-    let mut v = lock(view);
-    v.map = map;
-    v.revision = revision;
+    let mut map = AllocationMap::new(ctx.cidr.clone());
+    let mut revision = 0;
+    let mut rest = Vec::new();
+    for kv in resp.kvs() {
+        let Ok(k) = kv.key_str() else { continue };
+        match classify(key, k) {
+            Under::Map => {
+                map = decode(key, &ctx.cidr, kv.value())?;
+                revision = kv.mod_revision();
+            }
+            Under::Other => {}
+            _ => rest.push((k.to_string(), kv.value().to_vec(), kv.mod_revision())),
+        }
+    }
+    {
+        let mut v = lock(&ctx.view);
+        v.map = map;
+        v.revision = revision;
+        v.pools.clear();
+        v.watched = resp.header().map(|h| h.revision()).unwrap_or(revision);
+    }
+    for (k, value, rev) in rest {
+        apply(ctx, &k, Some(&value), rev);
+    }
     Ok(())
 }
 
 struct Committer {
-    client: Client,
-    key: String,
-    cidr: ServiceCidr,
-    view: Arc<Mutex<View>>,
-    timeout: Duration,
+    ctx: RangeCtx,
     max_batch: usize,
     /// The local copy may be behind etcd after an error: re-read before deciding.
     stale: bool,
+}
+
+/// What one decided batch writes besides the map.
+#[derive(Default)]
+struct PoolWrite {
+    /// Addresses the batch's fills recorded.
+    filled: Vec<IpAddr>,
+    /// A fill ran (successful or not): the pool is told when the batch ends.
+    fills: bool,
+    /// Rewrite the pool key.
+    sync: bool,
+    /// Delete the pool key (the pool was returned).
+    delete: bool,
 }
 
 impl Committer {
@@ -448,11 +891,13 @@ impl Committer {
                     Err(_) => break,
                 }
             }
-            let ops: Vec<Op> = batch.iter().map(|r| r.op).collect();
+            let ops: Vec<Op> = batch.iter().map(|r| r.op.clone()).collect();
             match self.commit(&ops).await {
                 Ok(results) => {
                     for (req, res) in batch.into_iter().zip(results) {
-                        let _ = req.reply.send(res.map_err(StoreError::Alloc));
+                        if let Some(reply) = req.reply {
+                            let _ = reply.send(res.map_err(StoreError::Alloc));
+                        }
                     }
                 }
                 Err(e) => {
@@ -460,7 +905,9 @@ impl Committer {
                     let transient = e.is_transient();
                     for req in batch {
                         let err = if transient { StoreError::Unavailable(text.clone()) } else { StoreError::Backend(text.clone()) };
-                        let _ = req.reply.send(Err(err));
+                        if let Some(reply) = req.reply {
+                            let _ = reply.send(Err(err));
+                        }
                     }
                 }
             }
@@ -468,106 +915,192 @@ impl Committer {
     }
 
     /// Decide `ops` against the current map and make the result durable in one transaction.
-    async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Result<Option<IpAddr>, AllocError>>, StoreError> {
+    async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Result<Vec<IpAddr>, AllocError>>, StoreError> {
+        let result = self.commit_inner(ops).await;
+        if ops.iter().any(|op| matches!(op, Op::Fill(_))) {
+            // Tell the pool the fill ended, with nothing on failure (the map is unchanged then).
+            // Addresses recorded under a lease that is no longer ours (lost meanwhile) are not
+            // pooled: their pool key is gone, so they are records for the repair pass.
+            let (filled, under) = match &result {
+                Ok((_, filled, under)) => (filled.clone(), *under),
+                Err(_) => (Vec::new(), None),
+            };
+            if !self.ctx.pool.fill_done(self.ctx.index, &filled, under) {
+                warn!(key = %self.ctx.key, addresses = filled.len(), "a pool fill landed after its lease was lost; its addresses are left to the repair pass");
+            }
+        }
+        result.map(|(results, _, _)| results)
+    }
+
+    #[allow(clippy::type_complexity)]
+    async fn commit_inner(&mut self, ops: &[Op]) -> Result<(Vec<Result<Vec<IpAddr>, AllocError>>, Vec<IpAddr>, Option<i64>), StoreError> {
+        let key = self.ctx.key.clone();
         for attempt in 0..MAX_CONFLICT_RETRIES {
             if self.stale {
-                reload(&mut self.client, &self.key, &self.cidr, &self.view, self.timeout).await?;
+                reload(&self.ctx).await?;
                 self.stale = false;
             }
             let (mut map, revision) = {
-                let v = lock(&self.view);
+                let v = lock(&self.ctx.view);
                 (v.map.clone(), v.revision)
             };
+            let lease = self.ctx.pool.lease();
             let mut changed = false;
             let mut release_missed = false;
+            let mut pw = PoolWrite::default();
             let results: Vec<_> = ops
                 .iter()
-                .map(|op| match *op {
-                    Op::Allocate(ip) => map.allocate(ip).map(|()| {
+                .map(|op| match op {
+                    Op::Allocate(ip) => map.allocate(*ip).map(|()| {
                         changed = true;
-                        Some(ip)
+                        vec![*ip]
                     }),
                     Op::AllocateNext => map.allocate_next().map(|ip| {
                         changed = true;
-                        Some(ip)
+                        vec![ip]
                     }),
                     Op::Release(ip) => {
-                        if map.has(ip) {
-                            map.release(ip);
+                        if map.has(*ip) {
+                            map.release(*ip);
                             changed = true;
                         } else {
                             release_missed = true;
                         }
-                        Ok(None)
+                        Ok(Vec::new())
+                    }
+                    Op::Fill(n) => {
+                        pw.fills = true;
+                        if lease.is_none() {
+                            return Ok(Vec::new());
+                        }
+                        // Dynamic band only: the static band is for requested addresses and
+                        // for dynamic requests once the dynamic band is full, never a reserve.
+                        let mut got = Vec::new();
+                        while got.len() < *n {
+                            match map.allocate_next() {
+                                Ok(ip) if in_static_band(&self.ctx.cidr, ip) => {
+                                    map.release(ip);
+                                    break;
+                                }
+                                Ok(ip) => got.push(ip),
+                                Err(_) => break,
+                            }
+                        }
+                        changed |= !got.is_empty();
+                        pw.filled.extend_from_slice(&got);
+                        pw.sync = true;
+                        Ok(got)
+                    }
+                    Op::SyncPool => {
+                        pw.sync = true;
+                        Ok(Vec::new())
+                    }
+                    Op::Return(ips) => {
+                        for ip in ips {
+                            if map.has(*ip) {
+                                map.release(*ip);
+                                changed = true;
+                            }
+                        }
+                        pw.delete = true;
+                        Ok(Vec::new())
                     }
                 })
                 .collect();
-            if !changed {
+            let pool_op = match lease {
+                Some(l) if pw.delete => Some(TxnOp::delete(format!("{}{}", pool_prefix(&key), l.member()), None)),
+                Some(l) if pw.sync => {
+                    let mut listing = self.ctx.pool.listing(self.ctx.index);
+                    listing.extend_from_slice(&pw.filled);
+                    Some(TxnOp::put(format!("{}{}", pool_prefix(&key), l.member()), encode_pool(listing), Some(PutOptions::new().with_lease(l.id))))
+                }
+                _ => None,
+            };
+            if !changed && pool_op.is_none() {
                 // A release of an address our copy does not know may be racing the watch
                 // (another process allocated it a moment ago): read etcd once and decide again.
                 if release_missed && attempt == 0 {
                     self.stale = true;
                     continue;
                 }
-                return Ok(results);
+                return Ok((results, Vec::new(), None));
             }
-            let value = map.snapshot();
-            let guard = if revision == 0 {
-                Compare::version(self.key.clone(), CompareOp::Equal, 0)
-            } else {
-                Compare::mod_revision(self.key.clone(), CompareOp::Equal, revision)
-            };
-            let txn = Txn::new()
-                .when([guard])
-                .and_then([TxnOp::put(self.key.clone(), value, None)])
-                .or_else([TxnOp::get(self.key.clone(), None)]);
-            let resp = match tokio::time::timeout(self.timeout, self.client.txn(txn)).await {
+            let mut then = Vec::new();
+            let mut guards = Vec::new();
+            if changed {
+                guards.push(if revision == 0 {
+                    Compare::version(key.clone(), CompareOp::Equal, 0)
+                } else {
+                    Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
+                });
+                then.push(TxnOp::put(key.clone(), map.snapshot(), None));
+            }
+            then.extend(pool_op);
+            let txn = Txn::new().when(guards).and_then(then).or_else([TxnOp::get(key.clone(), None)]);
+            let resp = match tokio::time::timeout(self.ctx.timeout, self.ctx.client.clone().txn(txn)).await {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => {
+                    if e.to_string().contains("lease not found") && lease.is_some() {
+                        // Our lease ran out under us: the pool is no longer ours to hand
+                        // out. Drop it and decide the batch again without pool writes.
+                        self.ctx.pool.set_lease(None);
+                        let dropped = self.ctx.pool.drop_all();
+                        warn!(key = %key, dropped, "the address pool's etcd lease expired; pooled addresses are left to the repair pass");
+                        continue;
+                    }
                     self.stale = true;
-                    return Err(StoreError::Unavailable(format!("writing {} to etcd: {e}", self.key)));
+                    return Err(StoreError::Unavailable(format!("writing {key} to etcd: {e}")));
                 }
                 Err(_) => {
                     self.stale = true;
-                    return Err(StoreError::Unavailable(format!("writing {} to etcd: no answer within {:?}", self.key, self.timeout)));
+                    return Err(StoreError::Unavailable(format!("writing {key} to etcd: no answer within {:?}", self.ctx.timeout)));
                 }
             };
             if resp.succeeded() {
-                let new_revision = resp.header().map(|h| h.revision()).unwrap_or(revision + 1);
-                let mut v = lock(&self.view);
-                if v.revision < new_revision {
-                    v.map = map;
-                    v.revision = new_revision;
+                if changed {
+                    let new_revision = resp.header().map(|h| h.revision()).unwrap_or(revision + 1);
+                    let mut v = lock(&self.ctx.view);
+                    if v.revision < new_revision {
+                        v.map = map;
+                        v.revision = new_revision;
+                    }
                 }
-                return Ok(results);
+                return Ok((results, pw.filled, lease.map(|l| l.id)));
             }
             // Lost the race: adopt what etcd holds and decide again.
-            debug!(key = %self.key, attempt, "allocation map changed concurrently; retrying on the new version");
+            debug!(key = %key, attempt, "allocation map changed concurrently; retrying on the new version");
             let current = resp.op_responses().into_iter().find_map(|r| match r {
                 TxnOpResponse::Get(g) => Some(g.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision()))),
                 _ => None,
             });
             let (map, revision) = match current.flatten() {
-                Some((value, rev)) => (decode(&self.key, &self.cidr, &value)?, rev),
-                None => (AllocationMap::new(self.cidr.clone()), 0),
+                Some((value, rev)) => (decode(&key, &self.ctx.cidr, &value)?, rev),
+                None => (AllocationMap::new(self.ctx.cidr.clone()), 0),
             };
-            let mut v = lock(&self.view);
+            let mut v = lock(&self.ctx.view);
             if v.revision <= revision {
                 v.map = map;
                 v.revision = revision;
             }
         }
-        Err(StoreError::Unavailable(format!("{}: gave up after {MAX_CONFLICT_RETRIES} conflicting writes", self.key)))
+        Err(StoreError::Unavailable(format!("{key}: gave up after {MAX_CONFLICT_RETRIES} conflicting writes")))
     }
 }
 
-/// Keep the local copy of one range current from etcd's watch; re-read and re-watch after
-/// any interruption (etcd restarted, compaction).
-async fn watch_range(mut client: Client, key: String, cidr: ServiceCidr, view: Arc<Mutex<View>>, timeout: Duration) {
+fn in_static_band(cidr: &ServiceCidr, ip: IpAddr) -> bool {
+    cidr.static_band().is_some_and(|b| b.first <= ip && ip <= b.last)
+}
+
+/// Keep the local copy of one range current from etcd's watch of everything under the range
+/// key (the map, pool keys, claims); re-read and re-watch after any interruption (etcd
+/// restarted, compaction).
+async fn watch_range(ctx: RangeCtx) {
+    let mut client = ctx.client.clone();
+    let key = ctx.key.clone();
     let mut backoff = Duration::from_millis(100);
     loop {
-        let from = lock(&view).revision + 1;
-        let started = client.watch(key.clone(), Some(WatchOptions::new().with_start_revision(from))).await;
+        let from = lock(&ctx.view).watched + 1;
+        let started = client.watch(key.clone(), Some(WatchOptions::new().with_prefix().with_start_revision(from))).await;
         let (_watcher, mut stream) = match started {
             Ok(s) => s,
             Err(e) => {
@@ -591,30 +1124,84 @@ async fn watch_range(mut client: Client, key: String, cidr: ServiceCidr, view: A
             }
             for ev in resp.events() {
                 let Some(kv) = ev.kv() else { continue };
-                let mut v = lock(&view);
-                if kv.mod_revision() <= v.revision {
-                    continue;
-                }
-                match ev.event_type() {
-                    EventType::Put => match AllocationMap::restore(&cidr, kv.value()) {
-                        Ok(map) => {
-                            v.map = map;
-                            v.revision = kv.mod_revision();
-                        }
-                        Err(e) => warn!(%key, error = %e, "ignoring an unreadable allocation map from the watch"),
-                    },
-                    EventType::Delete => {
-                        v.map = AllocationMap::new(cidr.clone());
-                        v.revision = 0;
-                    }
-                }
+                let Ok(k) = kv.key_str() else { continue };
+                let value = match ev.event_type() {
+                    EventType::Put => Some(kv.value()),
+                    EventType::Delete => None,
+                };
+                apply(&ctx, k, value, kv.mod_revision());
             }
         }
-        // Interrupted: the copy may have missed events; read the key again before watching.
-        if let Err(e) = reload(&mut client, &key, &cidr, &view, timeout).await {
+        // Interrupted: the copy may have missed events; read the keys again before watching.
+        if let Err(e) = reload(&ctx).await {
             debug!(%key, error = %e, "reload after watch interruption failed; retrying");
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
+}
+
+/// Hold the pool's etcd lease: grant one, renew it every third of its TTL, and when it is
+/// lost (expired, or not renewed in time) drop the pool and start over with a new lease.
+/// Each new lease starts a fill of every range's pool.
+async fn keep_lease(mut client: Client, pool: Arc<OwnPool>, queues: Vec<mpsc::Sender<Request>>) {
+    let ttl = LEASE_TTL.as_secs() as i64;
+    while !pool.is_closed() {
+        let asked = Instant::now();
+        let id = match client.lease_grant(ttl, None).await {
+            Ok(r) => r.id(),
+            Err(e) => {
+                warn!(error = %e, "could not get an etcd lease for the address pool; admissions use etcd directly until it works");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let mut state = LeaseState { id, valid_until: asked + LEASE_TTL };
+        pool.set_lease(Some(state));
+        info!(lease = %state.member(), sizes = ?pool.targets(), "address pool started");
+        for (i, q) in queues.iter().enumerate() {
+            if let Some(n) = pool.start_fill(i, Instant::now()) {
+                enqueue(q, Op::Fill(n));
+            }
+        }
+        loop {
+            tokio::time::sleep(LEASE_TTL / 3).await;
+            if pool.is_closed() {
+                return;
+            }
+            if pool.lease() != Some(state) {
+                break; // dropped by the committer (lease not found)
+            }
+            let sent = Instant::now();
+            match renew(&mut client, id).await {
+                Ok(left) if left > 0 => {
+                    state.valid_until = sent + Duration::from_secs(left as u64);
+                    pool.set_lease(Some(state));
+                }
+                Ok(_) => break,
+                Err(e) if Instant::now() + LEASE_MARGIN >= state.valid_until => {
+                    warn!(error = %e, "the address pool's etcd lease could not be renewed in time");
+                    break;
+                }
+                Err(e) => debug!(error = %e, "renewing the address pool's lease failed; retrying"),
+            }
+        }
+        pool.set_lease(None);
+        let dropped = pool.drop_all();
+        warn!(dropped, "address pool lease lost: pooled addresses are no longer handed out (the repair pass reclaims them)");
+    }
+}
+
+/// One keep-alive round trip; the TTL etcd reports (0 = the lease is gone).
+async fn renew(client: &mut Client, id: i64) -> Result<i64, String> {
+    let round = async {
+        let (mut keeper, mut stream) = client.lease_keep_alive(id).await.map_err(|e| e.to_string())?;
+        keeper.keep_alive().await.map_err(|e| e.to_string())?;
+        match stream.message().await {
+            Ok(Some(r)) => Ok(r.ttl()),
+            Ok(None) => Err("keep-alive stream closed".to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), round).await.map_err(|_| "no answer within 5s".to_string())?
 }

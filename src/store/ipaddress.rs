@@ -265,8 +265,8 @@ impl IpAddressStore {
             }
             Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "AlreadyExists" => {
                 // Taken by someone: keep it out of the candidates until the watch says otherwise.
-                if !st.objects.contains_key(&ip) {
-                    st.objects.insert(ip, false);
+                if let std::collections::btree_map::Entry::Vacant(e) = st.objects.entry(ip) {
+                    e.insert(false);
                     for r in st.ranges.iter_mut().filter(|r| r.cidr.contains(ip)) {
                         let _ = r.observed.allocate(ip);
                     }
@@ -399,7 +399,7 @@ impl AllocationStore for IpAddressStore {
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
         self.check_ready()?;
         let st = lock(&self.state);
-        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free() }).collect())
+        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free(), pooled: 0 }).collect())
     }
 }
 

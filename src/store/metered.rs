@@ -24,7 +24,7 @@ impl MeteredStore {
     /// Refresh the allocated/available gauges from the store.
     pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
         for u in self.inner.usage().await? {
-            self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free);
+            self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free, u.pooled);
         }
         Ok(())
     }
@@ -79,5 +79,9 @@ impl AllocationStore for MeteredStore {
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
         self.inner.usage().await
+    }
+
+    async fn close(&self) -> Result<(), StoreError> {
+        self.inner.close().await
     }
 }

@@ -11,6 +11,7 @@
 //! band rules are identical; they differ only in how a choice is made durable.
 
 pub mod etcd;
+pub mod etcd_pool;
 pub mod ipaddress;
 pub mod legacy;
 pub mod metered;
@@ -121,6 +122,12 @@ pub trait AllocationStore: Send + Sync {
 
     /// Allocated and free addresses per range.
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError>;
+
+    /// Hand back anything held ahead of need (the etcd backend's address pool) before the
+    /// process exits. Nothing to do for most backends.
+    async fn close(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// How full one range is.
@@ -128,5 +135,8 @@ pub trait AllocationStore: Send + Sync {
 pub struct RangeUsage {
     pub cidr: ServiceCidr,
     pub used: u64,
+    /// Free addresses, including those held in address pools.
     pub free: u64,
+    /// Free addresses held ahead of need in controller replicas' address pools (etcd backend).
+    pub pooled: u64,
 }

@@ -272,7 +272,7 @@ impl AllocationStore for LeaseReservations {
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
         let maps = lock(&self.taken);
-        Ok(maps.iter().map(|m| RangeUsage { cidr: m.cidr().clone(), used: m.used(), free: m.free() }).collect())
+        Ok(maps.iter().map(|m| RangeUsage { cidr: m.cidr().clone(), used: m.used(), free: m.free(), pooled: 0 }).collect())
     }
 }
 

@@ -149,18 +149,18 @@ impl Admission {
     }
 
     /// The plan for the request's Service, or the response that ends the request.
-    fn plan_for(&self, req: &AdmissionRequest<Service>) -> Result<Option<(Service, Plan)>, AdmissionResponse> {
+    fn plan_for(&self, req: &AdmissionRequest<Service>) -> Result<Option<(Service, Plan)>, Box<AdmissionResponse>> {
         if !needs_addresses(req) {
             return Ok(None);
         }
         let Some(svc) = req.object.clone() else {
-            return Err(AdmissionResponse::from(req).deny("the admission request carries no Service object"));
+            return Err(Box::new(AdmissionResponse::from(req).deny("the admission request carries no Service object")));
         };
         let spec = svc.spec.clone().unwrap_or_default();
         match clusterips::plan(&spec, &families_of(self.store.as_ref())) {
             Ok(Decision::NoAddress) => Ok(None),
             Ok(Decision::Allocate(plan)) => Ok(Some((svc, plan))),
-            Err(errs) => Err(invalid(req, &errs)),
+            Err(errs) => Err(Box::new(invalid(req, &errs))),
         }
     }
 
@@ -169,7 +169,7 @@ impl Admission {
         let (svc, plan) = match self.plan_for(req) {
             Ok(Some(p)) => p,
             Ok(None) => return AdmissionResponse::from(req),
-            Err(resp) => return resp,
+            Err(resp) => return *resp,
         };
         if reserved_by_us(&svc).is_some() && !requested_ips(&svc).is_empty() {
             // Re-invocation of an already mutated object: nothing more to do.
@@ -249,7 +249,7 @@ impl Admission {
         let (svc, plan) = match self.plan_for(req) {
             Ok(Some(p)) => p,
             Ok(None) => return AdmissionResponse::from(req),
-            Err(resp) => return resp,
+            Err(resp) => return *resp,
         };
         let requested = requested_ips(&svc);
         let ours = reserved_by_us(&svc);

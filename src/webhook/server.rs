@@ -92,6 +92,7 @@ async fn handle(admission: Arc<Admission>, metrics: Arc<Metrics>, req: Request<I
             return Ok(text(StatusCode::BAD_REQUEST, msg + "\n"));
         }
     };
+    let received = Instant::now();
     let request = match parse_review(&body) {
         Ok(r) => r,
         Err(msg) => {
@@ -104,11 +105,41 @@ async fn handle(admission: Arc<Admission>, metrics: Arc<Metrics>, req: Request<I
         Kind::Mutate => admission.mutate(&request).await,
         Kind::Validate => admission.validate(&request).await,
     };
-    metrics.webhook_latency(kind.label(), response.allowed, started.elapsed());
-    match serde_json::to_vec(&response.into_review()) {
-        Ok(b) => Ok(json(b)),
-        Err(e) => Ok(text(StatusCode::INTERNAL_SERVER_ERROR, format!("could not encode the AdmissionReview: {e}\n"))),
-    }
+    let allowed = response.allowed;
+    let answer = match serde_json::to_vec(&response.into_review()) {
+        Ok(b) => json(b),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("could not encode the AdmissionReview: {e}\n")),
+    };
+    metrics.webhook_latency(kind.label(), allowed, received.elapsed(), started.elapsed());
+    Ok(answer)
+}
+
+/// Serve on a runtime of its own, one thread, so admission answers never queue behind the
+/// reconcilers' work on the shared runtime. The receiver resolves when serving stops.
+pub fn serve_on_own_thread(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    admission: Arc<Admission>,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<String>> {
+    let listener = listener.into_std()?;
+    let (done, stopped) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name("webhook".into()).spawn(move || {
+        let why = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(l) => {
+                        serve(l, tls, admission, metrics).await;
+                        "the accept loop ended".to_string()
+                    }
+                    Err(e) => format!("could not register the listener: {e}"),
+                }
+            }),
+            Err(e) => format!("could not start the webhook runtime: {e}"),
+        };
+        let _ = done.send(why);
+    })?;
+    Ok(stopped)
 }
 
 /// Serve HTTPS on `addr` until the task is dropped.

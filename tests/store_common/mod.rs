@@ -18,6 +18,9 @@ use kube::api::{Api, DeleteParams, ListParams};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     Etcd,
+    /// The etcd backend with the controller's address pool (dynamic requests answered from
+    /// addresses recorded ahead of need); its processes (`clusterip allocate`) have none.
+    EtcdPooled,
     IpAddress,
 }
 
@@ -45,12 +48,13 @@ impl Fixture {
     }
 
     pub fn etcd_config(&self) -> EtcdConfig {
-        EtcdConfig { endpoints: self.cp.etcd_endpoints(), prefix: self.prefix.clone(), ..Default::default() }
+        let pool_size = if self.backend == Backend::EtcdPooled { 64 } else { 0 };
+        EtcdConfig { endpoints: self.cp.etcd_endpoints(), prefix: self.prefix.clone(), pool_size, ..Default::default() }
     }
 
     pub async fn open(&self) -> Box<dyn AllocationStore> {
         match self.backend {
-            Backend::Etcd => Box::new(EtcdStore::open(&self.etcd_config(), self.cidrs.clone()).await.expect("open etcd store")),
+            Backend::Etcd | Backend::EtcdPooled => Box::new(EtcdStore::open(&self.etcd_config(), self.cidrs.clone()).await.expect("open etcd store")),
             Backend::IpAddress => {
                 let cfg = IpAddressConfig { ranges: self.cidrs.clone(), ..Default::default() };
                 Box::new(IpAddressStore::open(self.cp.client().await, cfg).await.expect("open IPAddress store"))
@@ -65,7 +69,7 @@ impl Fixture {
             self.cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(","),
         ];
         match self.backend {
-            Backend::Etcd => args.extend([
+            Backend::Etcd | Backend::EtcdPooled => args.extend([
                 "--backend".into(),
                 "etcd".into(),
                 "--etcd-endpoints".into(),
@@ -87,7 +91,7 @@ impl Fixture {
     pub async fn cleanup(&self, store: Box<dyn AllocationStore>) {
         drop(store);
         match self.backend {
-            Backend::Etcd => {
+            Backend::Etcd | Backend::EtcdPooled => {
                 let mut client = etcd_client::Client::connect(self.cp.etcd_endpoints(), None).await.expect("etcd");
                 client
                     .delete(self.prefix.clone(), Some(etcd_client::DeleteOptions::new().with_prefix()))

@@ -1,0 +1,445 @@
+//! The etcd backend's address pool: addresses a controller replica has already recorded in
+//! the allocation map, ahead of need, so a dynamic admission is answered from memory instead
+//! of waiting for an etcd transaction.
+//!
+//! How it stays race-free and visible:
+//! - A pooled address is allocated in the map (so no other writer can choose it) and listed
+//!   under the replica's *pool key* `<range key>/pool/<member>`, written in the same
+//!   transaction that allocated it. The key is attached to the replica's etcd lease, so a
+//!   replica that dies takes its pool key with it after the lease TTL.
+//! - Every reader (`has`, `allocated`, `usage`, the repair pass) treats an address listed in
+//!   any pool key as *free, held in reserve*: not a record of any object, so not a leak, and a
+//!   static request for it is honoured.
+//! - A replica hands out pooled addresses only while its lease is known to be alive (renewed
+//!   within TTL − margin); once the lease is lost its pool is dropped from memory. The
+//!   addresses then become unowned records, which the repair pass releases after its usual
+//!   three-pass rule — minutes after the last hand-out could have happened.
+//! - A static request for an address in *another* replica's pool is a *claim*: the
+//!   requester writes `<range key>/claim/<address>`; the owner, watching, removes the address
+//!   from its memory under the pool lock (after which it can never hand it out) and answers
+//!   `granted`, or `refused` when it has already handed the address out.
+//!
+//! This module holds the in-memory side (the pool, the lease, the key formats); the etcd
+//! transactions live in [`super::etcd`].
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// Lease TTL of the pool keys.
+pub const LEASE_TTL: Duration = Duration::from_secs(30);
+/// Pooled addresses are handed out only while the lease has at least this long left.
+pub const LEASE_MARGIN: Duration = Duration::from_secs(10);
+/// How long a claimant waits for the owner's answer.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The pool a range keeps for a requested size: at most an eighth of its dynamic band, so
+/// a small range is not emptied into replicas' reserves (0 when the band is that small).
+pub fn pool_target(requested: usize, cidr: &crate::cidr::ServiceCidr) -> usize {
+    let band = cidr.dynamic_band().map_or(0, |b| b.size / 8);
+    requested.min(usize::try_from(band).unwrap_or(usize::MAX))
+}
+
+/// `<range key>/pool/` — the prefix of every replica's pool key of one range.
+pub fn pool_prefix(range_key: &str) -> String {
+    format!("{range_key}/pool/")
+}
+
+/// `<range key>/claim/` — the prefix of claims on one range's pooled addresses.
+pub fn claim_prefix(range_key: &str) -> String {
+    format!("{range_key}/claim/")
+}
+
+/// The claim key of an address.
+pub fn claim_key(range_key: &str, ip: IpAddr) -> String {
+    format!("{}{ip}", claim_prefix(range_key))
+}
+
+/// A pool key's value: the pooled addresses, one canonical address per line.
+pub fn encode_pool(addrs: impl IntoIterator<Item = IpAddr>) -> Vec<u8> {
+    let mut out = String::new();
+    for ip in addrs {
+        out.push_str(&ip.to_string());
+        out.push('\n');
+    }
+    out.into_bytes()
+}
+
+/// Decode a pool key's value; lines that are not addresses are skipped (and reported by the
+/// caller as unreadable when nothing parses).
+pub fn decode_pool(value: &[u8]) -> BTreeSet<IpAddr> {
+    String::from_utf8_lossy(value).lines().filter_map(|l| crate::cidr::parse_ip(l.trim()).ok()).collect()
+}
+
+/// A claim on a pooled address, as stored under its claim key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The pool member that holds the address.
+    pub owner: String,
+    /// Who asks for it (a member name, or a one-off name for processes without a pool).
+    pub claimant: String,
+    /// The owner's answer; absent until it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<ClaimAnswer>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimAnswer {
+    /// The address left the owner's pool; it is the claimant's now.
+    Granted,
+    /// The owner no longer pools it (handed out already).
+    Refused,
+}
+
+/// The lease this replica's pool keys hang on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseState {
+    pub id: i64,
+    /// Renewed until here (as last confirmed by etcd).
+    pub valid_until: Instant,
+}
+
+impl LeaseState {
+    /// The member name under which this lease's pool keys are written.
+    pub fn member(&self) -> String {
+        format!("{:016x}", self.id)
+    }
+}
+
+/// This replica's pool of one range.
+#[derive(Debug, Default)]
+struct RangePool {
+    /// Addresses kept (0 = no pool for this range) and the level that triggers a refill.
+    target: usize,
+    low_water: usize,
+    free: Vec<IpAddr>,
+    /// A fill is queued or in flight.
+    filling: bool,
+    /// The pool key lists addresses handed out since it was written.
+    dirty: bool,
+}
+
+/// This replica's pools (one per range) and its lease. Sizes are per range.
+#[derive(Debug)]
+pub struct OwnPool {
+    lease: Mutex<Option<LeaseState>>,
+    ranges: Vec<Mutex<RangePool>>,
+    /// Returned for good (shutdown): no lease, no fills, nothing handed out.
+    closed: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a pop found.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Popped {
+    pub ip: IpAddr,
+    /// A fill of this many addresses should be queued (the pool fell below its low water).
+    pub refill: Option<usize>,
+    /// The pool key listed only pooled addresses until now: queue one rewrite.
+    pub sync: bool,
+}
+
+impl OwnPool {
+    /// A pool that keeps `targets[i]` addresses of range `i` (0 = no pool for it), refilled
+    /// when it falls below three quarters.
+    pub fn new(targets: &[usize]) -> Self {
+        let range = |target: usize| RangePool { target, low_water: target - target / 4, ..RangePool::default() };
+        Self {
+            lease: Mutex::new(None),
+            ranges: targets.iter().map(|t| Mutex::new(range(*t))).collect(),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether any range keeps a pool.
+    pub fn enabled(&self) -> bool {
+        self.ranges.iter().any(|r| lock(r).target > 0)
+    }
+
+    /// The addresses each range keeps.
+    pub fn targets(&self) -> Vec<usize> {
+        self.ranges.iter().map(|r| lock(r).target).collect()
+    }
+
+    /// The lease, when it is usable for handing out addresses at `now`.
+    pub fn live_lease(&self, now: Instant) -> Option<LeaseState> {
+        if self.is_closed() {
+            return None;
+        }
+        lock(&self.lease).filter(|l| now + LEASE_MARGIN < l.valid_until)
+    }
+
+    /// Stop for good: nothing is handed out or filled from now on.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// The lease as last known (live or not), for writing keys on it.
+    pub fn lease(&self) -> Option<LeaseState> {
+        *lock(&self.lease)
+    }
+
+    pub fn set_lease(&self, lease: Option<LeaseState>) {
+        *lock(&self.lease) = lease;
+    }
+
+    /// Forget every pooled address (the lease was lost: they are no longer ours to hand
+    /// out). Returns how many were dropped.
+    pub fn drop_all(&self) -> usize {
+        let mut n = 0;
+        for r in &self.ranges {
+            let mut r = lock(r);
+            n += r.free.len();
+            r.free.clear();
+            r.dirty = false;
+        }
+        n
+    }
+
+    /// Take an address of range `range`, if the pool holds one and the lease is alive.
+    pub fn pop(&self, range: usize, now: Instant) -> Option<Popped> {
+        self.live_lease(now)?;
+        let mut r = lock(&self.ranges[range]);
+        let ip = r.free.pop()?;
+        let sync = !r.dirty;
+        r.dirty = true;
+        Some(Popped { ip, refill: Self::refill_wanted(&mut r), sync })
+    }
+
+    /// Take a specific address out of the pool (a static request for it, here or from a
+    /// claim). True when it was pooled; from then on it is never handed out.
+    pub fn take(&self, range: usize, ip: IpAddr) -> bool {
+        let mut r = lock(&self.ranges[range]);
+        match r.free.iter().position(|x| *x == ip) {
+            Some(i) => {
+                r.free.swap_remove(i);
+                r.dirty = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// How many addresses a fill should bring now, marking a fill as started; None when the
+    /// pool is off, its lease is not alive, it is full enough, or a fill is on its way.
+    pub fn start_fill(&self, range: usize, now: Instant) -> Option<usize> {
+        self.live_lease(now)?;
+        let mut r = lock(&self.ranges[range]);
+        Self::refill_wanted(&mut r)
+    }
+
+    fn refill_wanted(r: &mut RangePool) -> Option<usize> {
+        if r.target == 0 || r.filling || r.free.len() >= r.low_water.max(1) {
+            return None;
+        }
+        r.filling = true;
+        Some(r.target - r.free.len())
+    }
+
+    /// A fill ended: add what it recorded (may be empty) under lease `under`. False, adding
+    /// nothing, when that is not the current lease (lost meanwhile: the addresses' pool key
+    /// went with it). Callers clear the lease before [`Self::drop_all`], so a fill racing a
+    /// lost lease is either refused here or dropped there.
+    pub fn fill_done(&self, range: usize, got: &[IpAddr], under: Option<i64>) -> bool {
+        let current = lock(&self.lease).map(|l| l.id);
+        let mut r = lock(&self.ranges[range]);
+        r.filling = false;
+        if got.is_empty() {
+            return true;
+        }
+        if under.is_none() || under != current {
+            return false;
+        }
+        r.free.extend_from_slice(got);
+        true
+    }
+
+    /// The pooled addresses of a range, as the pool key should list them; clears the dirty
+    /// mark (the caller is about to write the key).
+    pub fn listing(&self, range: usize) -> Vec<IpAddr> {
+        let mut r = lock(&self.ranges[range]);
+        r.dirty = false;
+        let mut v = r.free.clone();
+        v.sort();
+        v
+    }
+
+    /// The pooled addresses of a range, without touching the dirty mark.
+    pub fn listing_peek(&self, range: usize) -> Vec<IpAddr> {
+        lock(&self.ranges[range]).free.clone()
+    }
+
+    /// Whether the pool key of a range lists addresses handed out since.
+    pub fn is_dirty(&self, range: usize) -> bool {
+        lock(&self.ranges[range]).dirty
+    }
+
+    pub fn holds(&self, range: usize, ip: IpAddr) -> bool {
+        lock(&self.ranges[range]).free.contains(&ip)
+    }
+
+    pub fn len(&self, range: usize) -> usize {
+        lock(&self.ranges[range]).free.len()
+    }
+
+    /// Empty the pool of a range (returned on shutdown); the addresses taken out.
+    pub fn take_all(&self, range: usize) -> Vec<IpAddr> {
+        let mut r = lock(&self.ranges[range]);
+        r.dirty = false;
+        std::mem::take(&mut r.free)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("test address")
+    }
+
+    const LIVE: Option<i64> = Some(0x2a);
+
+    fn live(pool: &OwnPool) -> Instant {
+        let now = Instant::now();
+        pool.set_lease(Some(LeaseState { id: 0x2a, valid_until: now + LEASE_TTL }));
+        now
+    }
+
+    #[test]
+    fn pool_values_round_trip_and_skip_garbage() {
+        let addrs = [ip("198.18.0.9"), ip("fd00::5")];
+        let v = encode_pool(addrs);
+        assert_eq!(v, b"198.18.0.9\nfd00::5\n");
+        let mut with_garbage = v.clone();
+        with_garbage.extend_from_slice(b"not-an-ip\n010.0.0.1\n");
+        assert_eq!(decode_pool(&with_garbage), addrs.into_iter().collect());
+    }
+
+    #[test]
+    fn claims_serialize_without_an_answer_until_answered() {
+        let c = Claim { owner: "a".into(), claimant: "b".into(), answer: None };
+        assert_eq!(serde_json::to_string(&c).expect("json"), r#"{"owner":"a","claimant":"b"}"#);
+        let g = Claim { answer: Some(ClaimAnswer::Granted), ..c };
+        assert_eq!(serde_json::to_string(&g).expect("json"), r#"{"owner":"a","claimant":"b","answer":"granted"}"#);
+        let back: Claim = serde_json::from_str(r#"{"owner":"a","claimant":"b","answer":"refused"}"#).expect("parse");
+        assert_eq!(back.answer, Some(ClaimAnswer::Refused));
+    }
+
+    #[test]
+    fn nothing_is_handed_out_without_a_live_lease() {
+        let pool = OwnPool::new(&[8]);
+        assert!(!pool.fill_done(0, &[ip("198.18.0.1")], None), "a fill without a lease is not pooled");
+        assert_eq!(pool.pop(0, Instant::now()), None, "no lease yet");
+        let now = Instant::now();
+        pool.set_lease(Some(LeaseState { id: 1, valid_until: now + LEASE_MARGIN }));
+        assert!(pool.fill_done(0, &[ip("198.18.0.1")], Some(1)));
+        assert_eq!(pool.pop(0, now), None, "a lease about to run out is not live");
+        pool.set_lease(Some(LeaseState { id: 1, valid_until: now + LEASE_TTL }));
+        assert_eq!(pool.pop(0, now).map(|p| p.ip), Some(ip("198.18.0.1")));
+    }
+
+    #[test]
+    fn a_fill_that_lands_after_its_lease_was_lost_is_not_pooled() {
+        let pool = OwnPool::new(&[8]);
+        let now = live(&pool);
+        assert_eq!(pool.start_fill(0, now), Some(8));
+        // The fill was written under lease 7, which is gone; 0x2a is the lease now.
+        assert!(!pool.fill_done(0, &[ip("198.18.0.1")], Some(7)));
+        assert_eq!(pool.len(0), 0);
+        assert_eq!(pool.start_fill(0, now), Some(8), "the fill is over: the next one may start");
+    }
+
+    #[test]
+    fn a_pop_below_low_water_asks_for_one_refill_up_to_the_target() {
+        let pool = OwnPool::new(&[8]);
+        assert_eq!(pool.start_fill(0, Instant::now()), None, "no fill without a lease");
+        let now = live(&pool);
+        assert_eq!(pool.start_fill(0, now), Some(8));
+        assert_eq!(pool.start_fill(0, now), None, "one fill at a time");
+        let got: Vec<IpAddr> = (1..=8).map(|i| ip(&format!("198.18.0.{i}"))).collect();
+        assert!(pool.fill_done(0, &got, LIVE));
+        // Low water is 6: the first two pops need nothing, the third asks for 3. Only the
+        // first pop after a clean pool key asks for a rewrite.
+        assert_eq!(pool.pop(0, now).map(|p| (p.refill, p.sync)), Some((None, true)));
+        assert_eq!(pool.pop(0, now).and_then(|p| p.refill), None);
+        assert_eq!(pool.pop(0, now).and_then(|p| p.refill), Some(3));
+        assert_eq!(pool.pop(0, now).and_then(|p| p.refill), None, "a fill is on its way");
+        assert!(pool.is_dirty(0));
+        assert_eq!(pool.listing(0).len(), 4);
+        assert!(!pool.is_dirty(0));
+        assert_eq!(pool.pop(0, now).map(|p| p.sync), Some(true), "dirty again after the rewrite");
+    }
+
+    #[test]
+    fn a_taken_address_is_never_handed_out() {
+        let pool = OwnPool::new(&[4]);
+        let now = live(&pool);
+        assert!(pool.fill_done(0, &[ip("198.18.0.1"), ip("198.18.0.2")], LIVE));
+        assert!(pool.take(0, ip("198.18.0.1")));
+        assert!(!pool.take(0, ip("198.18.0.1")), "taken once");
+        assert_eq!(pool.pop(0, now).map(|p| p.ip), Some(ip("198.18.0.2")));
+        assert_eq!(pool.pop(0, now), None);
+    }
+
+    #[test]
+    fn losing_the_lease_drops_the_pool() {
+        let pool = OwnPool::new(&[4, 4]);
+        live(&pool);
+        assert!(pool.fill_done(0, &[ip("198.18.0.1")], LIVE));
+        assert!(pool.fill_done(1, &[ip("fd00::1"), ip("fd00::2")], LIVE));
+        assert_eq!(pool.drop_all(), 3);
+        assert_eq!(pool.len(0) + pool.len(1), 0);
+    }
+
+    #[test]
+    fn a_closed_pool_hands_out_nothing() {
+        let pool = OwnPool::new(&[4]);
+        let now = live(&pool);
+        assert!(pool.fill_done(0, &[ip("198.18.0.1")], LIVE));
+        pool.close();
+        assert_eq!(pool.pop(0, now), None);
+        assert_eq!(pool.start_fill(0, now), None);
+    }
+
+    #[test]
+    fn a_disabled_pool_never_fills() {
+        let pool = OwnPool::new(&[0]);
+        assert!(!pool.enabled());
+        live(&pool);
+        assert_eq!(pool.start_fill(0, Instant::now()), None);
+    }
+
+    #[test]
+    fn a_range_without_a_pool_never_fills_beside_one_with() {
+        let pool = OwnPool::new(&[0, 4]);
+        assert!(pool.enabled());
+        let now = live(&pool);
+        assert_eq!(pool.start_fill(0, now), None);
+        assert_eq!(pool.start_fill(1, now), Some(4));
+    }
+
+    #[test]
+    fn the_pool_is_at_most_an_eighth_of_the_dynamic_band() {
+        let cidr = |s: &str| crate::cidr::ServiceCidr::parse(s).expect("cidr");
+        // /17: 32766 usable, static band 256, dynamic 32510 -> cap 4063.
+        assert_eq!(pool_target(1024, &cidr("198.18.0.0/17")), 1024);
+        // /24: 254 usable, static band 16, dynamic 238 -> cap 29.
+        assert_eq!(pool_target(1024, &cidr("198.18.0.0/24")), 29);
+        // /29: 6 usable, no static band (under 16), 6 / 8 = 0: no pool.
+        assert_eq!(pool_target(1024, &cidr("198.18.0.0/29")), 0, "no dynamic band to spare");
+        assert_eq!(pool_target(0, &cidr("fd00::/64")), 0);
+    }
+}

@@ -1,0 +1,266 @@
+//! The etcd backend's address pool against a real etcd: pooled addresses are answered from
+//! memory, read as free by everyone (not leaks, honoured for static requests through a
+//! claim), never handed out twice across replicas, returned on shutdown, and left to repair
+//! when a replica dies.
+
+mod store_common;
+
+use std::collections::{BTreeSet, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clusterip::alloc::AllocError;
+use clusterip::cidr::Family;
+use clusterip::repair::{Kind, Repairer, Target};
+use clusterip::store::etcd::{EtcdConfig, EtcdStore};
+use clusterip::store::etcd_pool::{decode_pool, LEASE_TTL};
+use clusterip::store::{AllocationStore, StoreError};
+use store_common::{Backend, Fixture};
+
+async fn open(fx: &Fixture, pool: usize) -> EtcdStore {
+    let cfg = EtcdConfig { pool_size: pool, ..fx.etcd_config() };
+    EtcdStore::open(&cfg, fx.cidrs.clone()).await.expect("open etcd store")
+}
+
+/// Wait until `cond` holds, or fail with `what` after `limit`.
+async fn eventually<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every address listed under any pool key of the fixture's ranges, read from etcd.
+async fn pool_keys(fx: &Fixture) -> BTreeSet<IpAddr> {
+    let mut client = etcd_client::Client::connect(fx.cp.etcd_endpoints(), None).await.expect("etcd");
+    let resp = client.get(fx.prefix.clone(), Some(etcd_client::GetOptions::new().with_prefix())).await.expect("get");
+    resp.kvs()
+        .iter()
+        .filter(|kv| kv.key_str().map(|k| k.contains("/pool/")).unwrap_or(false))
+        .flat_map(|kv| decode_pool(kv.value()))
+        .collect()
+}
+
+async fn cleanup(fx: &Fixture) {
+    let mut client = etcd_client::Client::connect(fx.cp.etcd_endpoints(), None).await.expect("etcd");
+    let _ = client.delete(fx.prefix.clone(), Some(etcd_client::DeleteOptions::new().with_prefix())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pooled_addresses_are_free_to_every_reader_and_not_leaks() {
+    let fx = Fixture::new(Backend::Etcd, &["198.18.96.0/24"]).await;
+    let a = open(&fx, 16).await;
+    eventually(Duration::from_secs(20), "the pool is filled", || async { a.pool_ready() }).await;
+    let pooled = pool_keys(&fx).await;
+    assert_eq!(pooled.len(), 16, "the pool key lists the whole pool");
+    let reader = open(&fx, 0).await;
+    assert_eq!(reader.allocated().await.expect("allocated"), Vec::<IpAddr>::new(), "pooled addresses are not records");
+    for ip in &pooled {
+        assert!(!reader.has(*ip).await.expect("has"), "{ip} is pooled, so free");
+    }
+    let usage = reader.usage().await.expect("usage");
+    assert_eq!((usage[0].used, usage[0].pooled, usage[0].free), (0, 16, 254));
+
+    // A dynamic request is answered from the pool: the address was pooled and now is a record.
+    let ip = a.allocate_next(Family::IPv4, None).await.expect("allocate_next");
+    assert!(pooled.contains(&ip), "{ip} came from the pool");
+    let off = u32::from(match ip {
+        IpAddr::V4(v4) => v4,
+        IpAddr::V6(_) => panic!("asked for IPv4"),
+    }) & 0xff;
+    assert!(off > 16, "{ip} is in the dynamic band of a /24 (static band: the first 16)");
+    eventually(Duration::from_secs(10), "another reader sees the handed-out address as a record", || async {
+        reader.allocated().await.map(|v| v == vec![ip]).unwrap_or(false)
+    })
+    .await;
+    assert!(!pool_keys(&fx).await.contains(&ip), "the pool key no longer lists a handed-out address");
+
+    // The repair pass over these records finds one leak (no Service holds the handed-out
+    // address) and nothing about the pooled ones.
+    let store: Arc<dyn AllocationStore> = Arc::new(open(&fx, 0).await);
+    let mut repairer = Repairer::new(fx.cp.client().await, Target::Etcd(store));
+    let pass = repairer.run_once(false, false, None).await.expect("repair pass");
+    let leaks: Vec<&str> = pass.report.findings.iter().filter(|f| f.kind == Kind::Leak).map(|f| f.address.as_str()).collect();
+    assert_eq!(leaks, vec![ip.to_string().as_str()], "only the handed-out address is a leak");
+    assert!(pass.report.findings.iter().all(|f| f.address.parse::<IpAddr>().map(|x| !pooled.contains(&x) || x == ip).unwrap_or(true)));
+
+    // Releasing an address another replica still pools (no Service can hold it, so this is
+    // a stray release) takes it out of that pool through a claim and frees it.
+    let still = *pool_keys(&fx).await.iter().next().expect("a pooled address");
+    reader.release(still).await.expect("release of a pooled address");
+    assert!(!reader.has(still).await.expect("has"), "{still} is free");
+    eventually(Duration::from_secs(10), "its former owner sees it free too", || async { !a.has(still).await.unwrap_or(true) }).await;
+    eventually(Duration::from_secs(10), "the owner's pool key stops listing it", || async { !pool_keys(&fx).await.contains(&still) }).await;
+    assert!(!reader.allocated().await.expect("allocated").contains(&still));
+    drop((a, reader));
+    cleanup(&fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_static_request_for_another_replicas_pooled_address_is_granted_once() {
+    let fx = Fixture::new(Backend::Etcd, &["198.18.97.0/24"]).await;
+    let owner = open(&fx, 16).await;
+    eventually(Duration::from_secs(20), "the pool is filled", || async { owner.pool_ready() }).await;
+    let other = open(&fx, 0).await;
+    let pooled = pool_keys(&fx).await;
+    let wanted = *pooled.iter().next().expect("a pooled address");
+    eventually(Duration::from_secs(10), "the other replica sees the pool key", || async { !other.has(wanted).await.unwrap_or(true) }).await;
+
+    other.allocate(wanted, None).await.expect("a static request for a pooled address is honoured");
+    assert!(other.has(wanted).await.expect("has"), "now a record");
+    match other.allocate(wanted, None).await {
+        Err(StoreError::Alloc(AllocError::Allocated)) => {}
+        r => panic!("a second static request for {wanted} must be refused as allocated, got {r:?}"),
+    }
+    // The owner never hands it out: drain its pool and more.
+    let mut handed = HashSet::new();
+    for _ in 0..40 {
+        handed.insert(owner.allocate_next(Family::IPv4, None).await.expect("allocate_next"));
+    }
+    assert_eq!(handed.len(), 40, "no address twice");
+    assert!(!handed.contains(&wanted), "the owner handed out an address it granted away");
+
+    // A static request for an address the owner already handed out is refused.
+    let gone = *handed.iter().next().expect("one");
+    match other.allocate(gone, None).await {
+        Err(StoreError::Alloc(AllocError::Allocated)) => {}
+        r => panic!("{gone} is held; expected already allocated, got {r:?}"),
+    }
+    // Another replica releases an address the owner handed out (its Service was deleted),
+    // even while the owner's pool key may still list it: the map lets it go.
+    other.release(gone).await.expect("release of a handed-out address");
+    eventually(Duration::from_secs(10), "the released address is free in etcd", || async {
+        let fresh = open(&fx, 0).await;
+        !fresh.allocated().await.unwrap_or_default().contains(&gone)
+    })
+    .await;
+
+    // The owner's own static request for one of its pooled addresses takes it from the pool.
+    // (The pool key may still list addresses handed out a moment ago; the owner judges by
+    // memory, where a pooled address reads as free.)
+    eventually(Duration::from_secs(20), "the pool is refilled", || async { owner.pool_ready() }).await;
+    let mut mine = None;
+    for ip in pool_keys(&fx).await {
+        if !owner.has(ip).await.expect("has") {
+            mine = Some(ip);
+            break;
+        }
+    }
+    let mine = mine.expect("an address still pooled");
+    owner.allocate(mine, None).await.expect("own pooled address");
+    assert!(owner.has(mine).await.expect("has"));
+    drop((owner, other));
+    cleanup(&fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_pooled_replicas_and_static_claims_never_share_an_address() {
+    let fx = Fixture::new(Backend::Etcd, &["198.18.104.0/21"]).await;
+    // Pools of 200 (a /21 allows up to 239) that 150 dynamic requests each cannot drain: most claims find their
+    // address still pooled (granted), some lose to a hand-out (refused).
+    let a = Arc::new(open(&fx, 200).await);
+    let b = Arc::new(open(&fx, 200).await);
+    eventually(Duration::from_secs(20), "both pools are filled", || async { a.pool_ready() && b.pool_ready() }).await;
+    // Static requests aim at whatever is pooled right now, so about half are claims on the
+    // other replica's pool and half take from their own.
+    let targets: Vec<IpAddr> = pool_keys(&fx).await.into_iter().step_by(3).collect();
+    let mut tasks = Vec::new();
+    for (i, store) in [a.clone(), b.clone()].into_iter().enumerate() {
+        for ip in targets.iter().skip(i).step_by(2) {
+            let (s, ip) = (store.clone(), *ip);
+            tasks.push(tokio::spawn(async move { s.allocate(ip, None).await.map(|()| (ip, "static")) }));
+        }
+        for _ in 0..150 {
+            let s = store.clone();
+            tasks.push(tokio::spawn(async move { s.allocate_next(Family::IPv4, None).await.map(|ip| (ip, "dynamic")) }));
+        }
+    }
+    let mut got = Vec::new();
+    for t in tasks {
+        match t.await.expect("task") {
+            Ok(x) => got.push(x),
+            Err(StoreError::Alloc(AllocError::Allocated)) => {} // a claim that lost to a hand-out
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    let unique: HashSet<IpAddr> = got.iter().map(|(ip, _)| *ip).collect();
+    assert_eq!(unique.len(), got.len(), "an address was handed out twice");
+    assert_eq!(got.iter().filter(|(_, k)| *k == "dynamic").count(), 300, "every dynamic request succeeded");
+    assert!(got.iter().any(|(_, k)| *k == "static"), "some claims were granted");
+    // Every handed-out address is durable: a new reader sees each as a record.
+    let reader = open(&fx, 0).await;
+    eventually(Duration::from_secs(10), "every handed-out address is a record", || async {
+        let all: HashSet<IpAddr> = reader.allocated().await.unwrap_or_default().into_iter().collect();
+        unique.iter().all(|ip| all.contains(ip))
+    })
+    .await;
+    drop((a, b, reader));
+    cleanup(&fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_closed_pool_is_free_at_once_and_a_dead_replicas_pool_expires_into_leaks() {
+    let fx = Fixture::new(Backend::Etcd, &["198.18.98.0/24", "fd00:18:98::/120"]).await;
+    let reader = open(&fx, 0).await;
+
+    // Shut down cleanly: the pool's addresses leave the map, the handed-out one stays.
+    let a = open(&fx, 8).await;
+    eventually(Duration::from_secs(20), "the pool is filled", || async { a.pool_ready() }).await;
+    let kept = a.allocate_next(Family::IPv6, None).await.expect("allocate_next");
+    a.close().await.expect("close");
+    assert!(pool_keys(&fx).await.is_empty(), "no pool key after close");
+    eventually(Duration::from_secs(10), "only the handed-out address is used", || async {
+        reader.usage().await.map(|u| u.iter().map(|r| r.used + r.pooled).sum::<u64>() == 1).unwrap_or(false)
+    })
+    .await;
+    assert_eq!(reader.allocated().await.expect("allocated"), vec![kept]);
+
+    // Die without closing: the pool key goes with the lease, and its addresses become
+    // records no Service holds — leaks for the repair pass, never silently free.
+    let b = open(&fx, 8).await;
+    eventually(Duration::from_secs(20), "the pool is filled", || async { b.pool_ready() }).await;
+    let orphaned = pool_keys(&fx).await;
+    assert_eq!(orphaned.len(), 16, "8 per range");
+    drop(b);
+    eventually(LEASE_TTL * 2, "the dead replica's pool key expires", || async { pool_keys(&fx).await.is_empty() }).await;
+    eventually(Duration::from_secs(10), "the orphaned pool reads as records", || async {
+        let all: BTreeSet<IpAddr> = reader.allocated().await.unwrap_or_default().into_iter().collect();
+        orphaned.iter().all(|ip| all.contains(ip))
+    })
+    .await;
+    drop(reader);
+    cleanup(&fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pools_never_make_a_range_look_full_before_it_is() {
+    // /25: 126 usable, static band 16, dynamic 110: a pool of at most 13.
+    let fx = Fixture::new(Backend::Etcd, &["198.18.95.0/25"]).await;
+    let holder = open(&fx, 64).await;
+    eventually(Duration::from_secs(20), "the pool is filled", || async { holder.pool_ready() }).await;
+    assert_eq!(holder.pooled(), vec![13], "capped at an eighth of the dynamic band");
+    let other = open(&fx, 0).await;
+    // Every address of the range, the holder's pooled ones included (claimed from it).
+    let mut got = HashSet::new();
+    for _ in 0..126 {
+        let ip = other.allocate_next(Family::IPv4, None).await.expect("an address while any is free");
+        assert!(got.insert(ip), "{ip} handed out twice");
+    }
+    match other.allocate_next(Family::IPv4, None).await {
+        Err(StoreError::Alloc(AllocError::Full)) => {}
+        r => panic!("127th allocation in a /25: expected range full, got {r:?}"),
+    }
+    assert_eq!(holder.pooled(), vec![0], "the holder's pool was claimed empty");
+    match holder.allocate_next(Family::IPv4, None).await {
+        Err(StoreError::Alloc(AllocError::Full)) => {}
+        r => panic!("the holder must find the range full too, got {r:?}"),
+    }
+    drop((holder, other));
+    cleanup(&fx).await;
+}

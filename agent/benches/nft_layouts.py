@@ -13,6 +13,12 @@ layouts:
   anon    one anonymous numgen map per Service (kube-proxy's layout, without its
           per-endpoint chains)
   rules   no maps: per-Service numgen rules with iptables-style probabilities
+  select  no per-Service chain: one shared chain per endpoint count N doing
+          `dnat to ip daddr . tcp dport . numgen random mod N map @select-tcp` (what
+          clusterip-agent does for ClusterIP-only Services without affinity)
+
+After each layout is loaded, one endpoint element is replaced (`delete element` +
+`add element`, a partial sync's typical delta) and timed too (`one_change_seconds`).
 """
 import os, subprocess, sys, tempfile, time
 
@@ -25,11 +31,17 @@ def gen(n, mode, S=64):
            f"add map {T} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict; }}",
            f"add rule {T} services ip daddr . meta l4proto . th dport vmap @service-ips"]
     el, si = {}, []
+    if mode == "select":
+        out.append(f"add map {T} select-tcp {{ typeof ip daddr . tcp dport . numgen random mod 1 : ip daddr . tcp dport; }}")
+        out.append(f"add chain {T} select-tcp-10")
+        out.append(f"add rule {T} select-tcp-10 dnat to ip daddr . tcp dport . numgen random mod 10 map @select-tcp")
     if mode == "shared":
         out.append(f"add map {T} endpoint-dnat-tcp {{ typeof numgen random mod 1 : ip daddr . tcp dport; }}")
     for i in range(n):
         c = f"svc-ns/s{i}/tcp/http"
-        out.append(f"add chain {T} {c}")
+        vip = f"198.19.{i // 250}.{i % 250 + 1}"
+        if mode != "select":
+            out.append(f"add chain {T} {c}")
         ips = []
         for j in range(10):
             k = 1024 + ((i * 10 + j) % 120000)
@@ -44,19 +56,35 @@ def gen(n, mode, S=64):
                 out.append(f"add map {T} {m} {{ typeof numgen random mod 1 : ip daddr . tcp dport; }}")
             out.append(f"add rule {T} {c} meta l4proto tcp dnat to numgen random mod 10 offset {i * 16} map @{m}")
             el.setdefault(m, []).extend(f"{i * 16 + j} : {ip} . 8080" for j, ip in enumerate(ips))
+        elif mode == "select":
+            c = "select-tcp-10"
+            el.setdefault("select-tcp", []).extend(f"{vip} . 80 . {j} : {ip} . 8080" for j, ip in enumerate(ips))
         elif mode == "anon":
             m = ", ".join(f"{j} : {ip} . 8080" for j, ip in enumerate(ips))
             out.append(f"add rule {T} {c} meta l4proto tcp dnat to numgen random mod 10 map {{ {m} }}")
-        si.append(f"198.19.{i // 250}.{i % 250 + 1} . tcp . 80 : goto {c}")
+        si.append(f"{vip} . tcp . 80 : goto {c}")
     for name, l in list(el.items()) + [("service-ips", si)]:
         for x in range(0, len(l), 1000):
             out.append(f"add element {T} {name} {{ {', '.join(l[x:x + 1000])} }}")
     return "\n".join(out) + "\n"
 
 
+def one_change(n, mode):
+    """A partial sync's delta: endpoint 0 of the Service in the middle is replaced."""
+    i = n // 2
+    if mode == "select":
+        key = f"198.19.{i // 250}.{i % 250 + 1} . 80 . 0"
+        return f"delete element {T} select-tcp {{ {key} }}\nadd element {T} select-tcp {{ {key} : 198.18.250.1 . 8080 }}\n"
+    if mode in ("shard", "shared"):
+        m = "endpoint-dnat-tcp" if mode == "shared" else f"endpoint-dnat-tcp-{i // 64}"
+        return f"delete element {T} {m} {{ {i * 16} }}\nadd element {T} {m} {{ {i * 16} : 198.18.250.1 . 8080 }}\n"
+    c = f"svc-ns/s{i}/tcp/http"
+    return f"flush chain {T} {c}\nadd rule {T} {c} meta l4proto tcp dnat to 198.18.250.1:8080\n"
+
+
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
-    modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["shard", "anon", "rules", "shared"]
+    modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["select", "shard", "anon", "rules", "shared"]
     ns = f"cipnftlayout{os.getpid()}"
     for mode in modes:
         with tempfile.NamedTemporaryFile("w", suffix=".nft") as f:
@@ -68,7 +96,13 @@ def main():
                 r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", f.name], capture_output=True, text=True)
                 dt = time.monotonic() - t
                 status = "ok" if r.returncode == 0 else "FAILED: " + r.stderr.strip()[:200]
-                print(f"RESULT nft_layout_{mode}_{n} seconds={dt:.2f} {status}")
+                change = ""
+                if r.returncode == 0:
+                    delta = one_change(n, mode)
+                    t = time.monotonic()
+                    r2 = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=delta, capture_output=True, text=True)
+                    change = f" one_change_seconds={time.monotonic() - t:.3f}" + ("" if r2.returncode == 0 else " FAILED: " + r2.stderr.strip()[:200])
+                print(f"RESULT nft_layout_{mode}_{n} seconds={dt:.2f}{change} {status}")
             finally:
                 subprocess.run(["ip", "netns", "del", ns])
 

@@ -304,6 +304,14 @@ struct Measure {
     peak_mib: Option<f64>,
 }
 
+/// A "sync done" line's duration in seconds (`elapsed_us`, or `elapsed_ms` from older agents).
+fn elapsed_s(l: &str) -> Option<f64> {
+    match field(l, "elapsed_us=").and_then(|us| us.parse::<f64>().ok()) {
+        Some(us) => Some(us / 1e6),
+        None => field(l, "elapsed_ms=")?.parse::<f64>().ok().map(|ms| ms / 1000.0),
+    }
+}
+
 fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: usize, change: bool) -> Measure {
     let ns = Netns::new("ours");
     let mut cmd = Command::new(&o.agent);
@@ -318,7 +326,7 @@ fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: us
         if l.contains("sync done") && l.contains("full=true") {
             let svc: usize = field(l, "services=")?.parse().ok()?;
             if svc >= services {
-                return field(l, "elapsed_ms=")?.parse::<f64>().ok().map(|ms| ms / 1000.0);
+                return elapsed_s(l);
             }
         }
         None
@@ -326,7 +334,7 @@ fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: us
     if change && m.full_s.is_some() {
         rt.block_on(change_one(client, n / 2, o.endpoints, 1));
         m.change_s = p.wait_line(Duration::from_secs(60), |l| {
-            (l.contains("sync done") && l.contains("full=false")).then(|| field(l, "elapsed_ms=")?.parse::<f64>().ok().map(|ms| ms / 1000.0)).flatten()
+            (l.contains("sync done") && l.contains("full=false")).then(|| elapsed_s(l)).flatten()
         });
         rt.block_on(change_one(client, n / 2, o.endpoints, 0));
     }

@@ -3,7 +3,12 @@
 //! For sizes where loading the API server is too slow for `nft_sync`.
 //!
 //! `cargo bench -p clusterip-agent --bench synthetic_sync -- 10000,50000`
-//! prints `RESULT synthetic_full_sync_<n>x10 ours_s=<>` and `RESULT synthetic_one_change_at_<n> ours_s=<>`.
+//! prints `RESULT synthetic_full_sync_<n>x10 ours_s=<>`, `RESULT synthetic_one_change_at_<n> ours_s=<>`
+//! (the first partial sync: all 10 endpoints of one Service replaced, the count unchanged —
+//! an element-only transaction, written as a netlink batch — then the median of 9 more such
+//! changes as `median_s`) and `RESULT synthetic_count_change_at_<n> ours_s=<>` (one Service goes
+//! from 10 to 11 endpoints and back: its rule changes, so `nft -f` runs; median of 5).
+//! With `CLUSTERIP_AGENT_NFT_ONLY=1` every transaction goes through `nft -f`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -25,9 +30,18 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn service(i: usize, generation: usize) -> (NamespacedName, Vec<DesiredPort>) {
+    service_with(i, generation, 10)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn service_with(i: usize, generation: usize, endpoints: usize) -> (NamespacedName, Vec<DesiredPort>) {
     let vip = ip(&format!("198.19.{}.{}", i / 250, i % 250 + 1));
     let sp = ServicePort::cluster_ip("bench", &format!("s{i}"), "http", Protocol::Tcp, vip, 80);
-    let eps: Vec<Endpoint> = (0..10)
+    let eps: Vec<Endpoint> = (0..endpoints)
         .map(|j| {
             let n = 1024 + ((i * 10 + j + generation * 7) % 120_000);
             Endpoint::ready(ip(&format!("198.{}.{}.{}", 18 + (n >> 16), (n >> 8) & 255, n & 255)), 8080)
@@ -58,8 +72,25 @@ fn main() {
             r.transactions,
             r.operations
         );
-        let t = Instant::now();
-        p.sync(&SyncBatch { full: false, services: vec![service(n / 2, 1)] }).expect("partial sync");
-        println!("RESULT synthetic_one_change_at_{n} ours_s={:.3}", t.elapsed().as_secs_f64());
+        let mut times = Vec::new();
+        let mut netlink = 0;
+        for g in 1..=10 {
+            let t = Instant::now();
+            let r = p.sync(&SyncBatch { full: false, services: vec![service(n / 2, g % 2)] }).expect("partial sync");
+            times.push(t.elapsed().as_secs_f64());
+            netlink += r.netlink_transactions;
+        }
+        println!(
+            "RESULT synthetic_one_change_at_{n} ours_s={:.4} median_s={:.4} netlink_transactions={netlink}/10",
+            times[0],
+            median(times[1..].to_vec())
+        );
+        let mut times = Vec::new();
+        for k in 0..6 {
+            let t = Instant::now();
+            p.sync(&SyncBatch { full: false, services: vec![service_with(n / 2, 0, 10 + (k + 1) % 2)] }).expect("partial sync");
+            times.push(t.elapsed().as_secs_f64());
+        }
+        println!("RESULT synthetic_count_change_at_{n} ours_s={:.4}", median(times[1..].to_vec()));
     }
 }

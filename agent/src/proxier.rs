@@ -11,6 +11,8 @@ pub enum DataplaneError {
     Exec(#[from] ExecError),
     #[error(transparent)]
     Slots(#[from] crate::nftables::slots::SlotsExhausted),
+    #[error(transparent)]
+    Netlink(#[from] crate::nftables::netlink::NetlinkError),
     #[error("cannot read the programmed rules: {0}")]
     Listing(String),
 }
@@ -29,6 +31,9 @@ pub struct SyncBatch {
 pub struct SyncReport {
     /// Transactions applied (a huge first sync is split).
     pub transactions: usize,
+    /// Of those, transactions written as nfnetlink batches by the agent itself
+    /// (element-only ones, nftables mode) instead of through `nft -f`.
+    pub netlink_transactions: usize,
     /// Operations sent (chains, rules, elements added or removed).
     pub operations: usize,
     /// Chains the agent owns after the sync (all families).

@@ -198,9 +198,11 @@ pub fn run(
                     full = batch.full,
                     services = batch.services.len(),
                     transactions = report.transactions,
+                    netlink_transactions = report.netlink_transactions,
                     operations = report.operations,
                     conntrack_flushes = flushes.len(),
                     elapsed_ms = elapsed.as_millis() as u64,
+                    elapsed_us = elapsed.as_micros() as u64,
                     "sync done"
                 );
             }

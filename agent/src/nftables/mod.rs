@@ -9,6 +9,7 @@
 //! boundaries.
 
 pub mod mirror;
+pub mod netlink;
 pub mod render;
 pub mod slots;
 pub mod transaction;
@@ -25,6 +26,10 @@ use transaction::Transaction;
 /// Default bound on the operations of one transaction.
 pub const DEFAULT_MAX_OPS: usize = 50_000;
 
+/// Element-only transactions up to this many bytes of netlink go to the kernel directly
+/// ([`netlink`]); bigger ones (a cold start) go through `nft -f`.
+const NETLINK_MAX_BYTES: usize = 2 << 20;
+
 /// The nftables dataplane.
 pub struct NftablesProxier {
     exec: Executor,
@@ -33,8 +38,15 @@ pub struct NftablesProxier {
     mirrors: [FamilyMirror; 2],
     /// Start over from an empty table at the next sync (start, failure, drift).
     rebuild: bool,
-    /// Time spent in `nft` during the current sync.
+    /// Time spent in `nft` (or the netlink batch) during the current sync.
     tool_time: std::time::Duration,
+    /// Write element-only transactions as nfnetlink batches (unset by
+    /// `CLUSTERIP_AGENT_NFT_ONLY=1`: everything through `nft -f`).
+    use_netlink: bool,
+    /// Netlink socket in the node's namespace, opened on first use, kept open.
+    socket: Option<netlink::Socket>,
+    /// Transactions of the current sync sent as netlink batches.
+    netlink_count: usize,
 }
 
 impl NftablesProxier {
@@ -46,23 +58,75 @@ impl NftablesProxier {
             mirrors: [FamilyMirror::new(IpFamily::V4), FamilyMirror::new(IpFamily::V6)],
             rebuild: true,
             tool_time: std::time::Duration::ZERO,
+            use_netlink: std::env::var("CLUSTERIP_AGENT_NFT_ONLY").map_or(true, |v| v != "1"),
+            socket: None,
+            netlink_count: 0,
         }
     }
 
-    fn apply(&mut self, tx: &Transaction) -> Result<(), ExecError> {
+    /// Whether element-only transactions are written as netlink batches (default: yes,
+    /// unless `CLUSTERIP_AGENT_NFT_ONLY=1`). With `false` everything goes through `nft -f`.
+    pub fn with_netlink(mut self, on: bool) -> Self {
+        self.use_netlink = on;
+        self
+    }
+
+    /// Apply one transaction: as an nfnetlink batch of our own when it is element-only,
+    /// else with `nft -f -`.
+    fn apply(&mut self, tx: &Transaction) -> Result<(), DataplaneError> {
+        if let Ok(path) = std::env::var("CLUSTERIP_AGENT_DUMP_NFT") {
+            let _ = std::fs::write(path, tx.text());
+        }
+        if self.use_netlink {
+            if let Some(batch) = self.netlink_batch(tx) {
+                let start = std::time::Instant::now();
+                let r = self.apply_netlink(&batch);
+                self.tool_time += start.elapsed();
+                self.netlink_count += 1;
+                tracing::debug!(bytes = batch.len(), ops = tx.ops(), netlink_us = start.elapsed().as_micros() as u64, "netlink element batch");
+                return r;
+            }
+        }
         let text = tx.text();
         let start = std::time::Instant::now();
         let r = self.exec.run("nft", &["-f", "-"], Some(text.as_bytes())).map(|_| ());
         self.tool_time += start.elapsed();
         tracing::debug!(bytes = text.len(), ops = tx.ops(), nft_ms = start.elapsed().as_millis() as u64, "nft transaction");
-        if let Ok(path) = std::env::var("CLUSTERIP_AGENT_DUMP_NFT") {
-            let _ = std::fs::write(path, &text);
+        Ok(r?)
+    }
+
+    /// The transaction as a netlink batch, if it is element-only, encodable and not huge.
+    fn netlink_batch(&self, tx: &Transaction) -> Option<netlink::Batch> {
+        let ops = tx.element_ops()?;
+        match netlink::encode(&ops) {
+            Ok(b) if b.len() <= NETLINK_MAX_BYTES => Some(b),
+            Ok(_) => None,
+            Err(e) => {
+                // Cannot happen for what render.rs produces; nft will say what is wrong.
+                tracing::warn!(error = %e, "element batch not encodable, using nft");
+                None
+            }
         }
-        r
+    }
+
+    fn apply_netlink(&mut self, batch: &netlink::Batch) -> Result<(), DataplaneError> {
+        if self.socket.is_none() {
+            let netns = self.exec.netns_file();
+            self.socket = Some(netlink::Socket::open(netns.as_deref())?);
+        }
+        let r = match &self.socket {
+            Some(s) => s.apply(batch),
+            None => Ok(()),
+        };
+        if r.is_err() {
+            // Start the next exchange on a fresh socket.
+            self.socket = None;
+        }
+        Ok(r?)
     }
 
     fn report(&self, transactions: usize, operations: usize) -> SyncReport {
-        let mut r = SyncReport { transactions, operations, tool_seconds: self.tool_time.as_secs_f64(), ..Default::default() };
+        let mut r = SyncReport { transactions, operations, netlink_transactions: self.netlink_count, tool_seconds: self.tool_time.as_secs_f64(), ..Default::default() };
         for m in &self.mirrors {
             let (chains, rules, elements) = m.counts();
             r.chains += chains;
@@ -74,6 +138,7 @@ impl NftablesProxier {
 
     fn sync_inner(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
         self.tool_time = std::time::Duration::ZERO;
+        self.netlink_count = 0;
         let rebuild = self.rebuild;
         let mut tx = Transaction::new();
         if rebuild {

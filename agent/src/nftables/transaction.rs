@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use super::netlink::ElementOp;
 use super::render::{skeleton, Family, SetName, TABLE};
 use crate::model::IpFamily;
 
@@ -15,7 +16,8 @@ struct FamilyTx {
     pre: String,
     delete_elements: BTreeMap<SetName, Vec<String>>,
     rules: String,
-    add_elements: BTreeMap<SetName, Vec<String>>,
+    /// (key, value) per map or set.
+    add_elements: BTreeMap<SetName, Vec<(String, Option<String>)>>,
     post: String,
 }
 
@@ -25,6 +27,8 @@ pub struct Transaction {
     v4: FamilyTx,
     v6: FamilyTx,
     ops: usize,
+    /// Operations other than element adds/deletes (tables, chains, rules, sets).
+    structural: usize,
 }
 
 fn table(fam: IpFamily) -> String {
@@ -62,18 +66,21 @@ impl Transaction {
             f.pre.push('\n');
         }
         self.ops += 1;
+        self.structural += 1;
     }
 
     pub fn add_chain(&mut self, fam: IpFamily, name: &str) {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "add chain {t} {name}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     pub fn flush_chain(&mut self, fam: IpFamily, name: &str) {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "flush chain {t} {name}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     /// Delete a chain emptied (and unreferenced) in an earlier transaction.
@@ -81,6 +88,7 @@ impl Transaction {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "delete chain {t} {name}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     /// Create a map (a shard of the endpoint maps).
@@ -88,12 +96,14 @@ impl Transaction {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "add map {t} {name} {{ {body} }}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     pub fn add_set(&mut self, fam: IpFamily, name: &str, body: &str) {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "add set {t} {name} {{ {body} }}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     /// Delete a set at the end (after the rules using it were flushed).
@@ -101,26 +111,43 @@ impl Transaction {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).post, "delete set {t} {name}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     pub fn add_rule(&mut self, fam: IpFamily, chain: &str, rule: &str) {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).rules, "add rule {t} {chain} {rule}");
         self.ops += 1;
+        self.structural += 1;
     }
 
     pub fn add_element(&mut self, fam: IpFamily, set: SetName, key: &str, value: Option<&str>) {
-        let e = match value {
-            Some(v) => format!("{key} : {v}"),
-            None => key.to_string(),
-        };
-        self.fam(fam).add_elements.entry(set).or_default().push(e);
+        self.fam(fam).add_elements.entry(set).or_default().push((key.to_string(), value.map(str::to_string)));
         self.ops += 1;
     }
 
     pub fn delete_element(&mut self, fam: IpFamily, set: SetName, key: &str) {
         self.fam(fam).delete_elements.entry(set).or_default().push(key.to_string());
         self.ops += 1;
+    }
+
+    /// The transaction as element operations only (deletes first, per family), when that
+    /// is all it holds: it can then go to the kernel as a batch of our own
+    /// ([`super::netlink`]) instead of through `nft`.
+    pub fn element_ops(&self) -> Option<Vec<ElementOp<'_>>> {
+        if self.structural > 0 {
+            return None;
+        }
+        let mut v = Vec::with_capacity(self.ops);
+        for (family, f) in [(IpFamily::V4, &self.v4), (IpFamily::V6, &self.v6)] {
+            for (set, keys) in &f.delete_elements {
+                v.extend(keys.iter().map(|k| ElementOp { family, set: *set, key: k, value: None, delete: true }));
+            }
+            for (set, elems) in &f.add_elements {
+                v.extend(elems.iter().map(|(k, val)| ElementOp { family, set: *set, key: k, value: val.as_deref(), delete: false }));
+            }
+        }
+        Some(v)
     }
 
     /// The `nft -f` input.
@@ -137,7 +164,14 @@ impl Transaction {
             s.push_str(&f.rules);
             for (set, elems) in &f.add_elements {
                 for chunk in elems.chunks(ELEMENTS_PER_COMMAND) {
-                    let _ = writeln!(s, "add element {t} {set} {{ {} }}", chunk.join(", "));
+                    let items: Vec<String> = chunk
+                        .iter()
+                        .map(|(k, v)| match v {
+                            Some(v) => format!("{k} : {v}"),
+                            None => k.clone(),
+                        })
+                        .collect();
+                    let _ = writeln!(s, "add element {t} {set} {{ {} }}", items.join(", "));
                 }
             }
             s.push_str(&f.post);
@@ -165,6 +199,26 @@ mod tests {
         assert!(pos("add rule") < pos("add element"));
         assert!(pos("add element") < pos("delete set"));
         assert_eq!(tx.ops(), 5);
+        assert!(tx.element_ops().is_none(), "chains and rules need nft");
+    }
+
+    #[test]
+    fn element_only_transactions_list_their_operations_deletes_first() {
+        let mut tx = Transaction::new();
+        tx.add_element(IpFamily::V6, SetName::Named("service-ips"), "fd00::1 . tcp . 80", Some("goto svc-a"));
+        tx.add_element(IpFamily::V4, SetName::Named("hairpin"), "198.18.2.1 . 198.18.2.1", None);
+        tx.delete_element(IpFamily::V4, SetName::Named("hairpin"), "198.18.2.2 . 198.18.2.2");
+        let ops = tx.element_ops().expect("element-only");
+        let summary: Vec<(IpFamily, bool, &str)> = ops.iter().map(|o| (o.family, o.delete, o.key)).collect();
+        assert_eq!(
+            summary,
+            vec![
+                (IpFamily::V4, true, "198.18.2.2 . 198.18.2.2"),
+                (IpFamily::V4, false, "198.18.2.1 . 198.18.2.1"),
+                (IpFamily::V6, false, "fd00::1 . tcp . 80"),
+            ]
+        );
+        assert_eq!(ops[2].value, Some("goto svc-a"));
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub struct SyncReport {
     /// Transactions applied (a huge first sync is split).
     pub transactions: usize,
     /// Of those, transactions written as nfnetlink batches by the agent itself
-    /// (element-only ones, nftables mode) instead of through `nft -f`.
+    /// (nftables mode: chain, plain-rule and element deltas) instead of through `nft -f`.
     pub netlink_transactions: usize,
     /// Operations sent (chains, rules, elements added or removed).
     pub operations: usize,

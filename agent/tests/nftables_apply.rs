@@ -125,26 +125,33 @@ fn drift_is_detected_and_rebuilt() {
     assert_eq!(ns_sh(&ns.name, &["nft", "list", "ruleset"]), "");
 }
 
-/// Every map and set of both tables with its elements, sorted (element order in a
-/// listing depends on the kernel's hashing, not on what was programmed).
-fn elements(ns: &str) -> std::collections::BTreeMap<String, Vec<String>> {
+/// Both tables as comparable text: each map and set with its elements sorted (element
+/// order in a listing depends on the kernel's hashing, not on what was programmed), each
+/// chain with its rules' expressions in order.
+fn table_state(ns: &str) -> std::collections::BTreeMap<String, Vec<String>> {
     let mut out = std::collections::BTreeMap::new();
     for fam in ["ip", "ip6"] {
         let json = ns_sh(ns, &["nft", "-j", "list", "table", fam, "clusterip"]);
         let v: serde_json::Value = serde_json::from_str(&json).expect("nft -j output");
         for item in v["nftables"].as_array().expect("nftables array") {
             if let Some(s) = item.get("map").or_else(|| item.get("set")) {
-                let name = format!("{fam} {}", s["name"].as_str().expect("name"));
+                let name = format!("{fam} set {}", s["name"].as_str().expect("name"));
                 let mut elems: Vec<String> = s.get("elem").and_then(|e| e.as_array()).map_or(vec![], |a| a.iter().map(|e| e.to_string()).collect());
                 elems.sort();
                 out.insert(name, elems);
+            } else if let Some(c) = item.get("chain") {
+                out.entry(format!("{fam} chain {}", c["name"].as_str().expect("name"))).or_default();
+            } else if let Some(r) = item.get("rule") {
+                let chain = format!("{fam} chain {}", r["chain"].as_str().expect("chain"));
+                out.entry(chain).or_default().push(r["expr"].to_string());
             }
         }
     }
     out
 }
 
-/// Move every endpoint of a Service to another port (an element-only change).
+/// Move every endpoint of a Service to another port (an element-only change, or a rule
+/// change for a single endpoint).
 fn with_port(mut svc: (NamespacedName, Vec<DesiredPort>), port: u16) -> (NamespacedName, Vec<DesiredPort>) {
     for d in &mut svc.1 {
         for c in [&mut d.v4, &mut d.v6] {
@@ -157,7 +164,7 @@ fn with_port(mut svc: (NamespacedName, Vec<DesiredPort>), port: u16) -> (Namespa
 }
 
 #[test]
-fn element_only_changes_are_netlink_batches_equal_to_what_nft_writes() {
+fn netlink_batches_program_what_nft_would() {
     let (na, nb) = (Netns::new("cipa"), Netns::new("cipa"));
     let mut ours = NftablesProxier::new(Executor::in_netns(&na.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(true);
     let mut nft = NftablesProxier::new(Executor::in_netns(&nb.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(false);
@@ -177,36 +184,40 @@ fn element_only_changes_are_netlink_batches_equal_to_what_nft_writes() {
                 s.external_policy_local = true;
             }),
             service("local", 7, Protocol::Tcp, 2, |s| s.internal_policy_local = true),
+            service("sticky", 8, Protocol::Tcp, 2, |s| s.affinity_timeout = Some(60)),
         ]
     };
     for p in [&mut ours, &mut nft] {
         let r = sync_ok(p, SyncBatch { full: true, services: kinds() });
-        assert_eq!(r.netlink_transactions, 0, "a cold start creates chains: nft");
+        assert_eq!(r.netlink_transactions, 0, "a cold start creates the table: nft");
     }
-    assert_eq!(elements(&na.name), elements(&nb.name));
-    let mut changes: Vec<(NamespacedName, Vec<DesiredPort>)> = kinds().into_iter().map(|s| with_port(s, 8081)).collect();
+    assert_eq!(table_state(&na.name), table_state(&nb.name));
+    // (change, whether netlink can write it)
+    let mut changes: Vec<((NamespacedName, Vec<DesiredPort>), bool)> =
+        kinds().into_iter().map(|s| (with_port(s.clone(), 8081), s.0.name != "sticky")).collect();
     // Local endpoints (hairpin elements) and a moved ClusterIP (service-ips element replaced).
     let mut local = with_port(service("plain", 1, Protocol::Tcp, 3, |_| {}), 8082);
     for e in &mut local.1[0].v4.cluster {
         e.is_local = true;
     }
-    changes.push(local);
-    changes.push(service("plain", 1, Protocol::Tcp, 3, |s| s.cluster_ips = vec![ip("198.19.3.3"), ip("fd00:10:96::3:3")]));
-    for svc in changes {
+    changes.push((local, true));
+    changes.push((service("plain", 1, Protocol::Tcp, 3, |s| s.cluster_ips = vec![ip("198.19.3.3"), ip("fd00:10:96::3:3")]), true));
+    // Endpoint counts: 3 → 5 (a bigger slot range), 1 (a plain dnat rule), 0 (reject), 2.
+    for n in [5, 1, 0, 2] {
+        changes.push((service("plain", 1, Protocol::Tcp, n, |_| {}), true));
+    }
+    // A new Service (new chains), then gone (chains flushed, deleted at the next sync).
+    changes.push((service("new", 9, Protocol::Udp, 2, |s| s.node_port = Some(30009)), true));
+    changes.push(((NamespacedName::new("ns", "new"), vec![]), true));
+    changes.push((service("plain", 1, Protocol::Tcp, 3, |_| {}), true));
+    for (svc, netlink) in changes {
         let name = svc.0.clone();
-        // The helper gives Local policies one local endpoint: a single endpoint is a plain
-        // `dnat to` rule, so moving it is a rule change (nft).
-        let element_only = !matches!(name.name.as_str(), "lb" | "local");
         let a = sync_ok(&mut ours, SyncBatch { full: false, services: vec![svc.clone()] });
         let b = sync_ok(&mut nft, SyncBatch { full: false, services: vec![svc] });
         assert!(a.operations > 0 && a.operations == b.operations, "{name:?}: {a:?} vs {b:?}");
-        assert_eq!((a.transactions, a.netlink_transactions, b.netlink_transactions), (1, usize::from(element_only), 0), "{name:?}");
-        assert_eq!(elements(&na.name), elements(&nb.name), "after changing {name:?}");
+        assert_eq!((a.transactions, a.netlink_transactions, b.netlink_transactions), (1, usize::from(netlink), 0), "{name:?}");
+        assert_eq!(table_state(&na.name), table_state(&nb.name), "after changing {name:?}");
     }
-    // A count change rewrites a rule: nft again, and the two still agree.
-    let a = sync_ok(&mut ours, SyncBatch { full: false, services: vec![service("plain", 1, Protocol::Tcp, 5, |_| {})] });
-    sync_ok(&mut nft, SyncBatch { full: false, services: vec![service("plain", 1, Protocol::Tcp, 5, |_| {})] });
-    assert_eq!(a.netlink_transactions, 0);
-    assert_eq!(elements(&na.name), elements(&nb.name));
-    assert_eq!(ns_sh(&na.name, &["nft", "list", "ruleset"]).lines().count(), ns_sh(&nb.name, &["nft", "list", "ruleset"]).lines().count());
+    let listing = ns_sh(&na.name, &["nft", "list", "table", "ip", "clusterip"]);
+    assert!(!listing.contains("svc-ns/new"), "the removed Service's chains were deleted:\n{listing}");
 }

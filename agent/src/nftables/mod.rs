@@ -26,8 +26,8 @@ use transaction::Transaction;
 /// Default bound on the operations of one transaction.
 pub const DEFAULT_MAX_OPS: usize = 50_000;
 
-/// Element-only transactions up to this many bytes of netlink go to the kernel directly
-/// ([`netlink`]); bigger ones (a cold start) go through `nft -f`.
+/// Transactions that [`netlink`] can encode, up to this many bytes, go to the kernel
+/// directly; bigger ones (a cold start) go through `nft -f`.
 const NETLINK_MAX_BYTES: usize = 2 << 20;
 
 /// The nftables dataplane.
@@ -40,7 +40,7 @@ pub struct NftablesProxier {
     rebuild: bool,
     /// Time spent in `nft` (or the netlink batch) during the current sync.
     tool_time: std::time::Duration,
-    /// Write element-only transactions as nfnetlink batches (unset by
+    /// Write transactions that [`netlink`] can encode as nfnetlink batches (unset by
     /// `CLUSTERIP_AGENT_NFT_ONLY=1`: everything through `nft -f`).
     use_netlink: bool,
     /// Netlink socket in the node's namespace, opened on first use, kept open.
@@ -64,15 +64,15 @@ impl NftablesProxier {
         }
     }
 
-    /// Whether element-only transactions are written as netlink batches (default: yes,
+    /// Whether encodable transactions are written as netlink batches (default: yes,
     /// unless `CLUSTERIP_AGENT_NFT_ONLY=1`). With `false` everything goes through `nft -f`.
     pub fn with_netlink(mut self, on: bool) -> Self {
         self.use_netlink = on;
         self
     }
 
-    /// Apply one transaction: as an nfnetlink batch of our own when it is element-only,
-    /// else with `nft -f -`.
+    /// Apply one transaction: as an nfnetlink batch of our own when [`netlink`] can encode
+    /// all of it, else with `nft -f -`.
     fn apply(&mut self, tx: &Transaction) -> Result<(), DataplaneError> {
         if let Ok(path) = std::env::var("CLUSTERIP_AGENT_DUMP_NFT") {
             let _ = std::fs::write(path, tx.text());
@@ -83,7 +83,7 @@ impl NftablesProxier {
                 let r = self.apply_netlink(&batch);
                 self.tool_time += start.elapsed();
                 self.netlink_count += 1;
-                tracing::debug!(bytes = batch.len(), ops = tx.ops(), netlink_us = start.elapsed().as_micros() as u64, "netlink element batch");
+                tracing::debug!(bytes = batch.len(), ops = tx.ops(), netlink_us = start.elapsed().as_micros() as u64, "netlink batch");
                 return r;
             }
         }
@@ -95,15 +95,16 @@ impl NftablesProxier {
         Ok(r?)
     }
 
-    /// The transaction as a netlink batch, if it is element-only, encodable and not huge.
+    /// The transaction as a netlink batch, if everything in it can be encoded and it is
+    /// not huge.
     fn netlink_batch(&self, tx: &Transaction) -> Option<netlink::Batch> {
-        let ops = tx.element_ops()?;
+        let ops = tx.netlink_ops()?;
         match netlink::encode(&ops) {
             Ok(b) if b.len() <= NETLINK_MAX_BYTES => Some(b),
             Ok(_) => None,
             Err(e) => {
-                // Cannot happen for what render.rs produces; nft will say what is wrong.
-                tracing::warn!(error = %e, "element batch not encodable, using nft");
+                // Routine: rules with matches (affinity, masquerade, firewall) need nft.
+                tracing::debug!(reason = %e, "transaction goes through nft");
                 None
             }
         }

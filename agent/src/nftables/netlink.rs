@@ -1,17 +1,24 @@
-//! Map and set element deltas written straight to the kernel as one nfnetlink batch, on a
-//! netlink socket kept open across syncs.
+//! Deltas written straight to the kernel as one nfnetlink batch, on a netlink socket kept
+//! open across syncs.
 //!
-//! Why: a partial sync is usually element-only (an endpoint changed: slots of an endpoint
-//! map get new values). Through `nft -f`, such a transaction costs nft's cache fetch first
-//! (`add element` dumps every chain of every table: ~40 ms at 10k Services), and, when it
+//! Why: a partial sync is usually small (an endpoint changed: slots of an endpoint map get
+//! new values; or a Service port chain's one rule is replaced). Through `nft -f`, such a
+//! transaction costs nft's cache fetch first
+//! (`add element` and `add rule` dump every chain of every table: ~40 ms at 10k Services), and, when it
 //! deletes anything, ~10 ms more when `nft` closes its netlink socket (the kernel's
 //! `NETLINK_URELEASE` handler waits for the deferred release of the deleted objects, an RCU
 //! grace period). A batch of our own needs neither: no cache (the mirror knows the table),
 //! and the socket stays open. Measured on a 10k-Service table: see docs/agent.md.
 //!
-//! Only element operations on the maps and sets whose types are fixed by
-//! [`super::render`] are encoded here; a transaction with anything else (chains, rules,
-//! sets) goes through `nft -f` as a whole, so a sync stays one atomic transaction either way.
+//! Encoded here: element operations on the maps and sets whose types are fixed by
+//! [`super::render`], `add`/`flush`/`delete chain`, and the rules of a plain Service port
+//! chain (`meta l4proto P dnat to numgen random mod N offset B map @M`,
+//! `meta l4proto P dnat to ADDR:PORT`, `jump C`, `goto C`) — so an endpoint change, a change
+//! of endpoint count, and a Service added or removed without affinity or masquerade rules
+//! need no `nft`. A transaction with anything else (tables, maps, sets, other rules) goes
+//! through `nft -f` as a whole: a sync stays one atomic transaction either way. The kernel
+//! test `element_only_changes_are_netlink_batches_equal_to_what_nft_writes` checks the
+//! result against what `nft` writes for the same changes.
 
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -20,6 +27,10 @@ use super::render::{SetName, FIREWALL_IPS, HAIRPIN, NO_ENDPOINT_NODEPORTS, NO_EN
 use crate::model::IpFamily;
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_DELCHAIN: u16 = 5;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_DELRULE: u16 = 8;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -29,8 +40,46 @@ const NLMSG_ERROR: u16 = 2;
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_ACK: u16 = 0x4;
 const NLM_F_CREATE: u16 = 0x400;
+const NLM_F_APPEND: u16 = 0x800;
 const NLA_F_NESTED: u16 = 0x8000;
 
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_META_DREG: u16 = 1;
+const NFTA_META_KEY: u16 = 2;
+const NFT_META_L4PROTO: u32 = 16;
+const NFTA_CMP_SREG: u16 = 1;
+const NFTA_CMP_OP: u16 = 2;
+const NFTA_CMP_DATA: u16 = 3;
+const NFT_CMP_EQ: u32 = 0;
+const NFTA_NG_DREG: u16 = 1;
+const NFTA_NG_MODULUS: u16 = 2;
+const NFTA_NG_TYPE: u16 = 3;
+const NFTA_NG_OFFSET: u16 = 4;
+const NFT_NG_RANDOM: u32 = 1;
+const NFTA_LOOKUP_SET: u16 = 1;
+const NFTA_LOOKUP_SREG: u16 = 2;
+const NFTA_LOOKUP_DREG: u16 = 3;
+const NFTA_IMMEDIATE_DREG: u16 = 1;
+const NFTA_IMMEDIATE_DATA: u16 = 2;
+const NFTA_NAT_TYPE: u16 = 1;
+const NFTA_NAT_FAMILY: u16 = 2;
+const NFTA_NAT_REG_ADDR_MIN: u16 = 3;
+const NFTA_NAT_REG_PROTO_MIN: u16 = 5;
+const NFTA_NAT_FLAGS: u16 = 7;
+const NFT_NAT_DNAT: u32 = 1;
+const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
+/// Registers as nft numbers them: the verdict, 16-byte register 1 and 2, and the
+/// 32-bit registers (`NFT_REG32_00` = 8) for fields inside a concatenation.
+const NFT_REG_VERDICT: u32 = 0;
+const NFT_REG_1: u32 = 1;
+const NFT_REG_2: u32 = 2;
+const NFT_REG32_00: u32 = 8;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
@@ -53,9 +102,11 @@ const ELEMENTS_PER_MESSAGE: usize = 256;
 
 /// An element operation that cannot be encoded (unknown map, unparsable text).
 #[derive(Debug, thiserror::Error)]
-#[error("cannot encode element {key:?} of {set}: {why}")]
+#[error("cannot encode {key:?} of {set}: {why}")]
 pub struct Unencodable {
+    /// The map, set or chain.
     pub set: String,
+    /// The element key or rule.
     pub key: String,
     pub why: &'static str,
 }
@@ -225,6 +276,170 @@ pub struct ElementOp<'a> {
     pub delete: bool,
 }
 
+/// One operation of a batch.
+#[derive(Debug, Clone)]
+pub enum Op<'a> {
+    Element(ElementOp<'a>),
+    AddChain { family: IpFamily, chain: &'a str },
+    FlushChain { family: IpFamily, chain: &'a str },
+    DeleteChain { family: IpFamily, chain: &'a str },
+    /// A rule as [`super::render`] writes it (only some shapes can be encoded).
+    AddRule { family: IpFamily, chain: &'a str, rule: &'a str },
+}
+
+/// The rule shapes encoded here.
+#[derive(Debug, PartialEq)]
+enum Rule<'a> {
+    /// `meta l4proto P dnat to numgen random mod N offset B map @M`
+    DnatMap { proto: u8, modulus: u32, offset: u32, map: &'a str },
+    /// `meta l4proto P dnat to ADDR:PORT` (`[ADDR]:PORT` for IPv6)
+    DnatTo { proto: u8, addr: IpAddr, port: u16 },
+    /// `jump C` / `goto C`
+    Verdict { code: i32, chain: &'a str },
+}
+
+fn proto_number(p: &str) -> Option<u8> {
+    match p {
+        "tcp" => Some(6),
+        "udp" => Some(17),
+        "sctp" => Some(132),
+        _ => None,
+    }
+}
+
+fn parse_rule(rule: &str) -> Option<Rule<'_>> {
+    let w: Vec<&str> = rule.split(' ').collect();
+    match w.as_slice() {
+        ["jump", c] => Some(Rule::Verdict { code: NFT_JUMP, chain: c }),
+        ["goto", c] => Some(Rule::Verdict { code: NFT_GOTO, chain: c }),
+        ["meta", "l4proto", p, "dnat", "to", "numgen", "random", "mod", n, "offset", b, "map", m] => Some(Rule::DnatMap {
+            proto: proto_number(p)?,
+            modulus: n.parse().ok().filter(|n| *n > 0)?,
+            offset: b.parse().ok()?,
+            map: m.strip_prefix('@')?,
+        }),
+        ["meta", "l4proto", p, "dnat", "to", target] => {
+            let sa: std::net::SocketAddr = target.parse().ok()?;
+            Some(Rule::DnatTo { proto: proto_number(p)?, addr: sa.ip(), port: sa.port() })
+        }
+        _ => None,
+    }
+}
+
+fn be32(v: u32) -> [u8; 4] {
+    v.to_be_bytes()
+}
+
+impl Buf {
+    fn expr(&mut self, name: &str, body: impl FnOnce(&mut Buf)) {
+        self.nest_start(NFTA_LIST_ELEM);
+        self.attr_str(NFTA_EXPR_NAME, name);
+        self.nest_start(NFTA_EXPR_DATA);
+        body(self);
+        self.nest_end();
+        self.nest_end();
+    }
+
+    fn verdict(&mut self, code: i32, chain: Option<&str>) {
+        self.nest_start(NFTA_DATA_VERDICT);
+        self.attr(NFTA_VERDICT_CODE, &code.to_be_bytes());
+        if let Some(c) = chain {
+            self.attr_str(NFTA_VERDICT_CHAIN, c);
+        }
+        self.nest_end();
+    }
+
+    /// `meta l4proto P` (meta load into reg 1, cmp eq).
+    fn l4proto(&mut self, proto: u8) {
+        self.expr("meta", |b| {
+            b.attr(NFTA_META_DREG, &be32(NFT_REG_1));
+            b.attr(NFTA_META_KEY, &be32(NFT_META_L4PROTO));
+        });
+        self.expr("cmp", |b| {
+            b.attr(NFTA_CMP_SREG, &be32(NFT_REG_1));
+            b.attr(NFTA_CMP_OP, &be32(NFT_CMP_EQ));
+            b.nest_start(NFTA_CMP_DATA);
+            b.attr(NFTA_DATA_VALUE, &[proto]);
+            b.nest_end();
+        });
+    }
+
+    /// The expressions of a rule, as nft 1.0.6 encodes the same text.
+    fn rule_exprs(&mut self, rule: &Rule<'_>, family: IpFamily) {
+        let nfproto = match family {
+            IpFamily::V4 => libc::NFPROTO_IPV4 as u32,
+            IpFamily::V6 => libc::NFPROTO_IPV6 as u32,
+        };
+        match *rule {
+            Rule::Verdict { code, chain } => self.expr("immediate", |b| {
+                b.attr(NFTA_IMMEDIATE_DREG, &be32(NFT_REG_VERDICT));
+                b.nest_start(NFTA_IMMEDIATE_DATA);
+                b.verdict(code, Some(chain));
+                b.nest_end();
+            }),
+            Rule::DnatMap { proto, modulus, offset, map } => {
+                self.l4proto(proto);
+                self.expr("numgen", |b| {
+                    b.attr(NFTA_NG_DREG, &be32(NFT_REG_1));
+                    b.attr(NFTA_NG_MODULUS, &be32(modulus));
+                    b.attr(NFTA_NG_TYPE, &be32(NFT_NG_RANDOM));
+                    b.attr(NFTA_NG_OFFSET, &be32(offset));
+                });
+                self.expr("lookup", |b| {
+                    b.attr_str(NFTA_LOOKUP_SET, map);
+                    b.attr(NFTA_LOOKUP_SREG, &be32(NFT_REG_1));
+                    b.attr(NFTA_LOOKUP_DREG, &be32(NFT_REG_1));
+                });
+                // The map's value is `address . port`: the port is the 32-bit register
+                // right after the address.
+                let addr_words = match family {
+                    IpFamily::V4 => 1,
+                    IpFamily::V6 => 4,
+                };
+                self.expr("nat", |b| {
+                    b.attr(NFTA_NAT_TYPE, &be32(NFT_NAT_DNAT));
+                    b.attr(NFTA_NAT_FAMILY, &be32(nfproto));
+                    b.attr(NFTA_NAT_REG_ADDR_MIN, &be32(NFT_REG_1));
+                    b.attr(NFTA_NAT_REG_PROTO_MIN, &be32(NFT_REG32_00 + addr_words));
+                });
+            }
+            Rule::DnatTo { proto, addr, port } => {
+                self.l4proto(proto);
+                let octets: Vec<u8> = match addr {
+                    IpAddr::V4(a) => a.octets().to_vec(),
+                    IpAddr::V6(a) => a.octets().to_vec(),
+                };
+                self.expr("immediate", |b| {
+                    b.attr(NFTA_IMMEDIATE_DREG, &be32(NFT_REG_1));
+                    b.nest_start(NFTA_IMMEDIATE_DATA);
+                    b.attr(NFTA_DATA_VALUE, &octets);
+                    b.nest_end();
+                });
+                self.expr("immediate", |b| {
+                    b.attr(NFTA_IMMEDIATE_DREG, &be32(NFT_REG_2));
+                    b.nest_start(NFTA_IMMEDIATE_DATA);
+                    b.attr(NFTA_DATA_VALUE, &port.to_be_bytes());
+                    b.nest_end();
+                });
+                self.expr("nat", |b| {
+                    b.attr(NFTA_NAT_TYPE, &be32(NFT_NAT_DNAT));
+                    b.attr(NFTA_NAT_FAMILY, &be32(nfproto));
+                    b.attr(NFTA_NAT_REG_ADDR_MIN, &be32(NFT_REG_1));
+                    b.attr(NFTA_NAT_REG_PROTO_MIN, &be32(NFT_REG_2));
+                    b.attr(NFTA_NAT_FLAGS, &be32(NF_NAT_RANGE_PROTO_SPECIFIED));
+                });
+            }
+        }
+    }
+}
+
+fn nfproto_family(f: IpFamily) -> u8 {
+    match f {
+        IpFamily::V4 => libc::AF_INET as u8,
+        IpFamily::V6 => libc::AF_INET6 as u8,
+    }
+}
+
 /// An encoded batch and the number of acknowledgements it asks for.
 #[derive(Debug)]
 pub struct Batch {
@@ -241,42 +456,66 @@ impl Batch {
     }
 }
 
-/// Encode element operations as one batch (`ops` in order; consecutive operations of the
-/// same kind on the same set share a message).
-pub fn encode(ops: &[ElementOp<'_>]) -> Result<Batch, Unencodable> {
+/// Encode operations as one batch (in order; consecutive element operations of the same
+/// kind on the same set share a message). Fails on anything it cannot encode exactly.
+pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
     let mut buf = Buf::default();
     let mut seq = 1u32;
     let begin = buf.msg_start(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq, libc::AF_UNSPEC as u8, NFNL_SUBSYS_NFTABLES);
     buf.msg_end(begin);
     let mut messages = 0;
     let mut i = 0;
+    let msg_type = |t: u16| (NFNL_SUBSYS_NFTABLES << 8) | t;
     while i < ops.len() {
-        let first = &ops[i];
+        seq += 1;
+        messages += 1;
+        let first = match &ops[i] {
+            Op::Element(e) => e,
+            Op::AddChain { family, chain } | Op::FlushChain { family, chain } | Op::DeleteChain { family, chain } => {
+                let (ty, flags, name_attr) = match &ops[i] {
+                    Op::AddChain { .. } => (NFT_MSG_NEWCHAIN, NLM_F_CREATE, NFTA_CHAIN_NAME),
+                    Op::DeleteChain { .. } => (NFT_MSG_DELCHAIN, 0, NFTA_CHAIN_NAME),
+                    _ => (NFT_MSG_DELRULE, 0, NFTA_RULE_CHAIN),
+                };
+                let m = buf.msg_start(msg_type(ty), NLM_F_REQUEST | NLM_F_ACK | flags, seq, nfproto_family(*family), 0);
+                buf.attr_str(NFTA_CHAIN_TABLE, TABLE);
+                buf.attr_str(name_attr, chain);
+                buf.msg_end(m);
+                i += 1;
+                continue;
+            }
+            Op::AddRule { family, chain, rule } => {
+                let parsed = parse_rule(rule).ok_or_else(|| Unencodable { set: chain.to_string(), key: rule.to_string(), why: "rule shape not encoded" })?;
+                let m = buf.msg_start(msg_type(NFT_MSG_NEWRULE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_APPEND, seq, nfproto_family(*family), 0);
+                buf.attr_str(NFTA_RULE_TABLE, TABLE);
+                buf.attr_str(NFTA_RULE_CHAIN, chain);
+                buf.nest_start(NFTA_RULE_EXPRESSIONS);
+                buf.rule_exprs(&parsed, *family);
+                buf.nest_end();
+                buf.msg_end(m);
+                i += 1;
+                continue;
+            }
+        };
         let mut j = i;
-        while j < ops.len()
-            && j - i < ELEMENTS_PER_MESSAGE
-            && ops[j].family == first.family
-            && ops[j].set == first.set
-            && ops[j].delete == first.delete
-        {
-            j += 1;
+        while j < ops.len() && j - i < ELEMENTS_PER_MESSAGE {
+            match &ops[j] {
+                Op::Element(e) if e.family == first.family && e.set == first.set && e.delete == first.delete => j += 1,
+                _ => break,
+            }
         }
         let ty = set_type(first.set).ok_or_else(|| Unencodable { set: first.set.to_string(), key: first.key.to_string(), why: "not a known map" })?;
-        seq += 1;
         let (msg_ty, flags) = if first.delete {
             (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK)
         } else {
             (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
         };
-        let family = match first.family {
-            IpFamily::V4 => libc::AF_INET as u8,
-            IpFamily::V6 => libc::AF_INET6 as u8,
-        };
-        let m = buf.msg_start((NFNL_SUBSYS_NFTABLES << 8) | msg_ty, flags, seq, family, 0);
+        let m = buf.msg_start(msg_type(msg_ty), flags, seq, nfproto_family(first.family), 0);
         buf.attr_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
         buf.attr_str(NFTA_SET_ELEM_LIST_SET, &first.set.to_string());
         buf.nest_start(NFTA_SET_ELEM_LIST_ELEMENTS);
         for op in &ops[i..j] {
+            let Op::Element(op) = op else { continue };
             let bad = |why| Unencodable { set: op.set.to_string(), key: op.key.to_string(), why };
             buf.nest_start(NFTA_LIST_ELEM);
             let key = encode_fields(ty.key, op.key, op.family).map_err(bad)?;
@@ -289,12 +528,7 @@ pub fn encode(ops: &[ElementOp<'_>]) -> Result<Batch, Unencodable> {
                     (Some(v), true, _) => {
                         let (code, chain) = parse_verdict(v).map_err(bad)?;
                         buf.nest_start(NFTA_SET_ELEM_DATA);
-                        buf.nest_start(NFTA_DATA_VERDICT);
-                        buf.attr(NFTA_VERDICT_CODE, &code.to_be_bytes());
-                        if let Some(c) = chain {
-                            buf.attr_str(NFTA_VERDICT_CHAIN, c);
-                        }
-                        buf.nest_end();
+                        buf.verdict(code, chain);
                         buf.nest_end();
                     }
                     (Some(v), false, false) => {
@@ -310,7 +544,6 @@ pub fn encode(ops: &[ElementOp<'_>]) -> Result<Batch, Unencodable> {
         }
         buf.nest_end();
         buf.msg_end(m);
-        messages += 1;
         i = j;
     }
     seq += 1;
@@ -494,10 +727,10 @@ mod tests {
     #[test]
     fn batch_has_begin_messages_end_and_counts_acks() {
         let ops = [
-            ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "1", value: None, delete: true },
-            ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "1", value: Some("198.18.2.3 . 8080"), delete: false },
-            ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "2", value: Some("198.18.2.4 . 8080"), delete: false },
-            ElementOp { family: IpFamily::V6, set: SetName::Named(SERVICE_IPS), key: "fd00::a . udp . 53", value: Some("goto svc-x"), delete: false },
+            Op::Element(ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "1", value: None, delete: true }),
+            Op::Element(ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "1", value: Some("198.18.2.3 . 8080"), delete: false }),
+            Op::Element(ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "2", value: Some("198.18.2.4 . 8080"), delete: false }),
+            Op::Element(ElementOp { family: IpFamily::V6, set: SetName::Named(SERVICE_IPS), key: "fd00::a . udp . 53", value: Some("goto svc-x"), delete: false }),
         ];
         let b = encode(&ops).expect("encode");
         assert_eq!(b.messages, 3, "delete, add (two elements), add in the other family");
@@ -505,9 +738,32 @@ mod tests {
         let ty = |off: usize| u16::from_ne_bytes([b.bytes[off + 4], b.bytes[off + 5]]);
         assert_eq!(ty(0), NFNL_MSG_BATCH_BEGIN);
         assert_eq!(ty(20), (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSETELEM);
-        let bad = [ElementOp { family: IpFamily::V4, set: SetName::Named("other"), key: "1", value: None, delete: false }];
+        let bad = [Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named("other"), key: "1", value: None, delete: false })];
         assert!(encode(&bad).is_err());
-        let bad = [ElementOp { family: IpFamily::V4, set: SetName::Named(HAIRPIN), key: "1.2.3.4 . 1.2.3.4", value: Some("drop"), delete: false }];
+        let bad = [Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named(HAIRPIN), key: "1.2.3.4 . 1.2.3.4", value: Some("drop"), delete: false })];
         assert!(encode(&bad).is_err(), "a set element has no value");
+        let rule = [Op::AddRule { family: IpFamily::V4, chain: "svc-a", rule: "ip saddr != { 198.18.0.0/16 } jump mark-for-masquerade" }];
+        assert!(encode(&rule).is_err(), "other rules go through nft");
+    }
+
+    #[test]
+    fn rule_shapes_of_plain_service_chains_are_parsed() {
+        assert_eq!(
+            parse_rule("meta l4proto tcp dnat to numgen random mod 3 offset 96 map @endpoint-dnat-tcp-4"),
+            Some(Rule::DnatMap { proto: 6, modulus: 3, offset: 96, map: "endpoint-dnat-tcp-4" })
+        );
+        assert_eq!(parse_rule("meta l4proto udp dnat to [fd00:2::1]:5353"), Some(Rule::DnatTo { proto: 17, addr: "fd00:2::1".parse().expect("ip"), port: 5353 }));
+        assert_eq!(parse_rule("meta l4proto sctp dnat to 198.18.2.1:80"), Some(Rule::DnatTo { proto: 132, addr: "198.18.2.1".parse().expect("ip"), port: 80 }));
+        assert_eq!(parse_rule("goto svc-ns/a/tcp/80"), Some(Rule::Verdict { code: NFT_GOTO, chain: "svc-ns/a/tcp/80" }));
+        assert_eq!(parse_rule("jump mark-for-masquerade"), Some(Rule::Verdict { code: NFT_JUMP, chain: "mark-for-masquerade" }));
+        for other in [
+            "fib saddr type local goto svc-a",
+            "meta l4proto tcp dnat to numgen random mod 0 offset 0 map @m",
+            "meta l4proto icmp dnat to 198.18.2.1:80",
+            "ip saddr @aff-30-x goto ep-x",
+            "numgen random mod 2 offset 0 vmap @endpoint-chains-0",
+        ] {
+            assert_eq!(parse_rule(other), None, "{other}");
+        }
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::netlink::ElementOp;
+use super::netlink::{ElementOp, Op};
 use super::render::{skeleton, Family, SetName, TABLE};
 use crate::model::IpFamily;
 
@@ -19,6 +19,17 @@ struct FamilyTx {
     /// (key, value) per map or set.
     add_elements: BTreeMap<SetName, Vec<(String, Option<String>)>>,
     post: String,
+    /// The chain operations of `pre`, for a netlink batch.
+    chain_ops: Vec<(ChainOp, String)>,
+    /// The rules of `rules` as (chain, rule), for a netlink batch.
+    rule_list: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum ChainOp {
+    Add,
+    Flush,
+    Delete,
 }
 
 /// A transaction over both families' tables.
@@ -27,8 +38,8 @@ pub struct Transaction {
     v4: FamilyTx,
     v6: FamilyTx,
     ops: usize,
-    /// Operations other than element adds/deletes (tables, chains, rules, sets).
-    structural: usize,
+    /// Operations [`super::netlink`] does not write (tables, maps, sets).
+    nft_only: usize,
 }
 
 fn table(fam: IpFamily) -> String {
@@ -66,29 +77,32 @@ impl Transaction {
             f.pre.push('\n');
         }
         self.ops += 1;
-        self.structural += 1;
+        self.nft_only += 1;
     }
 
     pub fn add_chain(&mut self, fam: IpFamily, name: &str) {
         let t = table(fam);
-        let _ = writeln!(self.fam(fam).pre, "add chain {t} {name}");
+        let f = self.fam(fam);
+        let _ = writeln!(f.pre, "add chain {t} {name}");
+        f.chain_ops.push((ChainOp::Add, name.to_string()));
         self.ops += 1;
-        self.structural += 1;
     }
 
     pub fn flush_chain(&mut self, fam: IpFamily, name: &str) {
         let t = table(fam);
-        let _ = writeln!(self.fam(fam).pre, "flush chain {t} {name}");
+        let f = self.fam(fam);
+        let _ = writeln!(f.pre, "flush chain {t} {name}");
+        f.chain_ops.push((ChainOp::Flush, name.to_string()));
         self.ops += 1;
-        self.structural += 1;
     }
 
     /// Delete a chain emptied (and unreferenced) in an earlier transaction.
     pub fn delete_chain(&mut self, fam: IpFamily, name: &str) {
         let t = table(fam);
-        let _ = writeln!(self.fam(fam).pre, "delete chain {t} {name}");
+        let f = self.fam(fam);
+        let _ = writeln!(f.pre, "delete chain {t} {name}");
+        f.chain_ops.push((ChainOp::Delete, name.to_string()));
         self.ops += 1;
-        self.structural += 1;
     }
 
     /// Create a map (a shard of the endpoint maps).
@@ -96,14 +110,14 @@ impl Transaction {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "add map {t} {name} {{ {body} }}");
         self.ops += 1;
-        self.structural += 1;
+        self.nft_only += 1;
     }
 
     pub fn add_set(&mut self, fam: IpFamily, name: &str, body: &str) {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).pre, "add set {t} {name} {{ {body} }}");
         self.ops += 1;
-        self.structural += 1;
+        self.nft_only += 1;
     }
 
     /// Delete a set at the end (after the rules using it were flushed).
@@ -111,14 +125,15 @@ impl Transaction {
         let t = table(fam);
         let _ = writeln!(self.fam(fam).post, "delete set {t} {name}");
         self.ops += 1;
-        self.structural += 1;
+        self.nft_only += 1;
     }
 
     pub fn add_rule(&mut self, fam: IpFamily, chain: &str, rule: &str) {
         let t = table(fam);
-        let _ = writeln!(self.fam(fam).rules, "add rule {t} {chain} {rule}");
+        let f = self.fam(fam);
+        let _ = writeln!(f.rules, "add rule {t} {chain} {rule}");
+        f.rule_list.push((chain.to_string(), rule.to_string()));
         self.ops += 1;
-        self.structural += 1;
     }
 
     pub fn add_element(&mut self, fam: IpFamily, set: SetName, key: &str, value: Option<&str>) {
@@ -131,20 +146,29 @@ impl Transaction {
         self.ops += 1;
     }
 
-    /// The transaction as element operations only (deletes first, per family), when that
-    /// is all it holds: it can then go to the kernel as a batch of our own
-    /// ([`super::netlink`]) instead of through `nft`.
-    pub fn element_ops(&self) -> Option<Vec<ElementOp<'_>>> {
-        if self.structural > 0 {
+    /// The transaction as operations for a batch of our own ([`super::netlink`]), in the
+    /// order of [`Transaction::text`], when it holds only chain, rule and element
+    /// operations (no table, map or set created or deleted). Whether each rule can be
+    /// encoded is up to the encoder.
+    pub fn netlink_ops(&self) -> Option<Vec<Op<'_>>> {
+        if self.nft_only > 0 {
             return None;
         }
         let mut v = Vec::with_capacity(self.ops);
         for (family, f) in [(IpFamily::V4, &self.v4), (IpFamily::V6, &self.v6)] {
-            for (set, keys) in &f.delete_elements {
-                v.extend(keys.iter().map(|k| ElementOp { family, set: *set, key: k, value: None, delete: true }));
+            for (op, chain) in &f.chain_ops {
+                v.push(match op {
+                    ChainOp::Add => Op::AddChain { family, chain },
+                    ChainOp::Flush => Op::FlushChain { family, chain },
+                    ChainOp::Delete => Op::DeleteChain { family, chain },
+                });
             }
+            for (set, keys) in &f.delete_elements {
+                v.extend(keys.iter().map(|k| Op::Element(ElementOp { family, set: *set, key: k, value: None, delete: true })));
+            }
+            v.extend(f.rule_list.iter().map(|(chain, rule)| Op::AddRule { family, chain, rule }));
             for (set, elems) in &f.add_elements {
-                v.extend(elems.iter().map(|(k, val)| ElementOp { family, set: *set, key: k, value: val.as_deref(), delete: false }));
+                v.extend(elems.iter().map(|(k, val)| Op::Element(ElementOp { family, set: *set, key: k, value: val.as_deref(), delete: false })));
             }
         }
         Some(v)
@@ -199,7 +223,31 @@ mod tests {
         assert!(pos("add rule") < pos("add element"));
         assert!(pos("add element") < pos("delete set"));
         assert_eq!(tx.ops(), 5);
-        assert!(tx.element_ops().is_none(), "chains and rules need nft");
+        assert!(tx.netlink_ops().is_none(), "deleting a set needs nft");
+    }
+
+    #[test]
+    fn chain_rule_and_element_transactions_can_be_netlink_batches_in_text_order() {
+        let mut tx = Transaction::new();
+        tx.add_element(IpFamily::V4, SetName::Named("service-ips"), "198.19.0.1 . tcp . 80", Some("goto svc-a"));
+        tx.add_rule(IpFamily::V4, "svc-a", "meta l4proto tcp dnat to 198.18.2.1:80");
+        tx.delete_element(IpFamily::V4, SetName::Named("service-ips"), "198.19.0.2 . tcp . 80");
+        tx.add_chain(IpFamily::V4, "svc-a");
+        let ops = tx.netlink_ops().expect("chains, rules and elements only");
+        let kinds: Vec<&str> = ops
+            .iter()
+            .map(|o| match o {
+                Op::AddChain { .. } => "add chain",
+                Op::FlushChain { .. } => "flush chain",
+                Op::DeleteChain { .. } => "delete chain",
+                Op::AddRule { .. } => "add rule",
+                Op::Element(e) if e.delete => "delete element",
+                Op::Element(_) => "add element",
+            })
+            .collect();
+        assert_eq!(kinds, vec!["add chain", "delete element", "add rule", "add element"], "same order as the text");
+        tx.add_map(IpFamily::V4, SetName::EndpointChains(0), "typeof numgen random mod 1 : verdict;");
+        assert!(tx.netlink_ops().is_none(), "creating a map needs nft");
     }
 
     #[test]
@@ -208,8 +256,14 @@ mod tests {
         tx.add_element(IpFamily::V6, SetName::Named("service-ips"), "fd00::1 . tcp . 80", Some("goto svc-a"));
         tx.add_element(IpFamily::V4, SetName::Named("hairpin"), "198.18.2.1 . 198.18.2.1", None);
         tx.delete_element(IpFamily::V4, SetName::Named("hairpin"), "198.18.2.2 . 198.18.2.2");
-        let ops = tx.element_ops().expect("element-only");
-        let summary: Vec<(IpFamily, bool, &str)> = ops.iter().map(|o| (o.family, o.delete, o.key)).collect();
+        let ops = tx.netlink_ops().expect("element-only");
+        let summary: Vec<(IpFamily, bool, &str)> = ops
+            .iter()
+            .filter_map(|o| match o {
+                Op::Element(e) => Some((e.family, e.delete, e.key)),
+                _ => None,
+            })
+            .collect();
         assert_eq!(
             summary,
             vec![
@@ -218,7 +272,7 @@ mod tests {
                 (IpFamily::V6, false, "fd00::1 . tcp . 80"),
             ]
         );
-        assert_eq!(ops[2].value, Some("goto svc-a"));
+        assert!(matches!(&ops[2], Op::Element(e) if e.value == Some("goto svc-a")));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! prints `RESULT synthetic_full_sync_<n>x10 ours_s=<>`, `RESULT synthetic_one_change_at_<n> ours_s=<>`
 //! (the first partial sync: all 10 endpoints of one Service replaced, the count unchanged —
 //! an element-only transaction, written as a netlink batch — then the median of 9 more such
-//! changes as `median_s`) and `RESULT synthetic_count_change_at_<n> ours_s=<>` (one Service goes
+//! changes as `median_s`; `SYNTHETIC_CHANGES=k` makes it k) and `RESULT synthetic_count_change_at_<n> ours_s=<>` (one Service goes
 //! from 10 to 11 endpoints and back: its rule changes, so `nft -f` runs; median of 5).
 //! With `CLUSTERIP_AGENT_NFT_ONLY=1` every transaction goes through `nft -f`.
 
@@ -72,25 +72,38 @@ fn main() {
             r.transactions,
             r.operations
         );
+        // SYNTHETIC_CHANGES=<k> makes it k changes (for profiling the partial sync).
+        let changes: usize = std::env::var("SYNTHETIC_CHANGES").ok().and_then(|v| v.parse().ok()).unwrap_or(10).max(2);
+        // As the agent's sync loop after a full sync; and its next sync comes at least
+        // --min-sync-period (1 s) after the previous one.
+        clusterip_agent::sync::release_freed_memory();
+        std::thread::sleep(std::time::Duration::from_secs(1));
         let mut times = Vec::new();
         let mut netlink = 0;
-        for g in 1..=10 {
+        let mut first_kernel_s = 0.0;
+        for g in 1..=changes {
             let t = Instant::now();
             let r = p.sync(&SyncBatch { full: false, services: vec![service(n / 2, g % 2)] }).expect("partial sync");
             times.push(t.elapsed().as_secs_f64());
             netlink += r.netlink_transactions;
+            if g == 1 {
+                first_kernel_s = r.tool_seconds;
+            }
         }
         println!(
-            "RESULT synthetic_one_change_at_{n} ours_s={:.4} median_s={:.4} netlink_transactions={netlink}/10",
+            "RESULT synthetic_one_change_at_{n} ours_s={:.4} kernel_s={first_kernel_s:.4} median_s={:.4} netlink_transactions={netlink}/{changes}",
             times[0],
             median(times[1..].to_vec())
         );
         let mut times = Vec::new();
-        for k in 0..6 {
+        let mut netlink = 0;
+        for k in 0..changes.min(6).max(changes / 10) {
             let t = Instant::now();
-            p.sync(&SyncBatch { full: false, services: vec![service_with(n / 2, 0, 10 + (k + 1) % 2)] }).expect("partial sync");
+            let r = p.sync(&SyncBatch { full: false, services: vec![service_with(n / 2, 0, 10 + (k + 1) % 2)] }).expect("partial sync");
             times.push(t.elapsed().as_secs_f64());
+            netlink += r.netlink_transactions;
         }
-        println!("RESULT synthetic_count_change_at_{n} ours_s={:.4}", median(times[1..].to_vec()));
+        let (count, med) = (times.len(), median(times[1..].to_vec()));
+        println!("RESULT synthetic_count_change_at_{n} ours_s={med:.4} netlink_transactions={netlink}/{count}");
     }
 }

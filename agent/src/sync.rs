@@ -219,7 +219,25 @@ pub fn run(
                 backoff = (backoff * 2).min(cfg.sync_period.max(Duration::from_secs(1)));
             }
         }
+        let was_full = batch.full;
+        drop(batch);
+        if was_full {
+            release_freed_memory();
+        }
         last_end = Some(Instant::now());
+    }
+}
+
+/// Hand the memory freed by a full sync (the batch, rendered fragments, the transaction
+/// text: many small blocks at 10k Services) back to the allocator's top level now, after
+/// the sync was timed. Otherwise glibc consolidates those blocks at the first allocation
+/// of the *next* sync — measured at ~7 ms of a 10 ms first partial sync at 10k Services
+/// (`malloc_trim` itself: ~8 ms, here, outside any sync).
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only works on the allocator's own state.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

@@ -32,6 +32,10 @@ pub struct FamilyMirror {
     slots: SlotAllocator,
     /// Shard maps created so far (never deleted: there are few of them).
     shard_maps: BTreeSet<SetName>,
+    /// Chains and rules of all fragments, kept up to date by `replace` (a partial sync must
+    /// not walk every fragment to report them).
+    fragment_chains: usize,
+    fragment_rules: usize,
 }
 
 impl FamilyMirror {
@@ -45,6 +49,8 @@ impl FamilyMirror {
             stale_chains: BTreeSet::new(),
             slots: SlotAllocator::default(),
             shard_maps: BTreeSet::new(),
+            fragment_chains: 0,
+            fragment_rules: 0,
         }
     }
 
@@ -67,13 +73,8 @@ impl FamilyMirror {
 
     /// (chains, rules, shared elements) the agent owns in this table.
     pub fn counts(&self) -> (usize, usize, usize) {
-        let skel_rules = skeleton_rules(self.family).len();
-        let mut chains = BASE_CHAINS.len() + SKELETON_CHAINS.len() + self.stale_chains.len();
-        let mut rules = skel_rules;
-        for e in self.fragments.values() {
-            chains += e.frag.chains.len();
-            rules += e.frag.chains.values().map(Vec::len).sum::<usize>();
-        }
+        let chains = BASE_CHAINS.len() + SKELETON_CHAINS.len() + self.stale_chains.len() + self.fragment_chains;
+        let rules = skeleton_rules(self.family).len() + self.fragment_rules;
         (chains, rules, self.elements.len())
     }
 
@@ -124,6 +125,9 @@ impl FamilyMirror {
             }
             return;
         }
+        let rule_count = |f: &Fragment| f.chains.values().map(Vec::len).sum::<usize>();
+        self.fragment_chains = self.fragment_chains + new.chains.len() - old.chains.len();
+        self.fragment_rules = self.fragment_rules + rule_count(&new) - rule_count(&old);
         for e in &new.elements {
             if let Some(body) = e.set.shard_definition(fam) {
                 if self.shard_maps.insert(e.set) {
@@ -333,6 +337,19 @@ mod tests {
         m.take_stale_chains(&mut tx);
         assert!(tx.text().contains("delete chain ip clusterip svc-ns/a/tcp/80"));
         assert_eq!(m.counts().2, 0, "no elements left");
+    }
+
+    #[test]
+    fn counts_follow_changes() {
+        let mut m = FamilyMirror::new(IpFamily::V4);
+        let (c0, r0, _) = m.counts();
+        sync(&mut m, "a", &[desired("a", "198.19.0.1", &["198.18.2.1", "198.18.2.2"])]);
+        sync(&mut m, "b", &[desired("b", "198.19.0.2", &["198.18.2.1"])]);
+        assert_eq!(m.counts(), (c0 + 2, r0 + 2, 2 + 2 + 2), "two chains of one rule; 2 VIPs, 2 slots, 2 hairpins");
+        sync(&mut m, "a", &[]);
+        let mut tx = Transaction::new();
+        m.take_stale_chains(&mut tx);
+        assert_eq!(m.counts(), (c0 + 1, r0 + 1, 2));
     }
 
     #[test]

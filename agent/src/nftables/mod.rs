@@ -180,6 +180,13 @@ impl NftablesProxier {
             transactions += 1;
             operations += tx.ops();
         }
+        if self.use_netlink && self.socket.is_none() {
+            // Open it now, outside the next partial sync's time (it may be the first batch).
+            match netlink::Socket::open(self.exec.netns_file().as_deref()) {
+                Ok(s) => self.socket = Some(s),
+                Err(e) => tracing::debug!(error = %e, "netlink socket not opened yet"),
+            }
+        }
         Ok(self.report(transactions, operations))
     }
 }

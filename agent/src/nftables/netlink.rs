@@ -218,7 +218,7 @@ struct Buf {
 
 impl Buf {
     fn align(&mut self) {
-        while self.b.len() % 4 != 0 {
+        while !self.b.len().is_multiple_of(4) {
             self.b.push(0);
         }
     }
@@ -734,7 +734,7 @@ mod tests {
         ];
         let b = encode(&ops).expect("encode");
         assert_eq!(b.messages, 3, "delete, add (two elements), add in the other family");
-        assert_eq!(b.len() % 4, 0);
+        assert!(b.len().is_multiple_of(4));
         let ty = |off: usize| u16::from_ne_bytes([b.bytes[off + 4], b.bytes[off + 5]]);
         assert_eq!(ty(0), NFNL_MSG_BATCH_BEGIN);
         assert_eq!(ty(20), (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSETELEM);

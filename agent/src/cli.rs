@@ -210,6 +210,7 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
 
     tokio::spawn(watch::services(client.clone(), shared.clone(), args.service_proxy_name.clone()));
     tokio::spawn(watch::endpoint_slices(client.clone(), shared.clone()));
+    let events_client = client.clone();
     tokio::spawn(watch::node(client, shared.clone(), node_name.clone()));
 
     let cfg = SyncConfig {
@@ -219,8 +220,8 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
     };
     let dataplane = proxier(&args, exec.clone());
     tracing::info!(node = %node_name, mode = dataplane.mode(), netns = ?args.netns, "clusterip-agent starting");
-    let health_servers =
-        crate::service_health::ServiceHealthServers::new(exec.netns_file(), tokio::runtime::Handle::current(), &shared);
+    let health_servers = crate::service_health::ServiceHealthServers::new(exec.netns_file(), tokio::runtime::Handle::current(), &shared)
+        .with_events(events_client, &node_name);
     let s = shared.clone();
     let loop_thread = std::thread::Builder::new()
         .name("sync".into())

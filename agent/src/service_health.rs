@@ -3,8 +3,14 @@
 //! on that port answers 200 when this node has local ready endpoints (and the proxy is
 //! healthy), 503 otherwise, so that load balancers send traffic only to nodes that can
 //! serve it. The listeners are opened in the node's network namespace (`--netns`).
+//! A port that cannot be opened is retried at every sync and reported as a Warning Event
+//! `FailedToStartServiceHealthcheck` on the Service (kube-proxy's reason and wording), once
+//! per failing port.
 
 use std::collections::HashMap;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,7 +32,15 @@ pub struct ServiceHealthServers {
     handle: tokio::runtime::Handle,
     shared: std::sync::Weak<Shared>,
     servers: HashMap<NamespacedName, Server>,
+    /// Where failures are reported as Events (None: logs only).
+    recorder: Option<Recorder>,
+    /// Services whose port could not be opened (the port), reported once until it changes
+    /// or opens.
+    failed: HashMap<NamespacedName, u16>,
 }
+
+/// kube-proxy's Event reason for a health-check port that cannot be opened.
+pub const FAILED_TO_START: &str = "FailedToStartServiceHealthcheck";
 
 fn bind(netns: Option<&Arc<File>>, port: u16) -> std::io::Result<std::net::TcpListener> {
     let open = move || {
@@ -56,11 +70,49 @@ fn bind(netns: Option<&Arc<File>>, port: u16) -> std::io::Result<std::net::TcpLi
 
 impl ServiceHealthServers {
     pub fn new(netns: Option<Arc<File>>, handle: tokio::runtime::Handle, shared: &Arc<Shared>) -> Self {
-        ServiceHealthServers { netns, handle, shared: Arc::downgrade(shared), servers: HashMap::new() }
+        ServiceHealthServers { netns, handle, shared: Arc::downgrade(shared), servers: HashMap::new(), recorder: None, failed: HashMap::new() }
+    }
+
+    /// Report failures as Events on the Services, as component `clusterip-agent` on `node`.
+    pub fn with_events(mut self, client: kube::Client, node: &str) -> Self {
+        self.recorder = Some(Recorder::new(client, Reporter { controller: "clusterip-agent".into(), instance: Some(node.to_string()) }));
+        self
+    }
+
+    /// Log the failure; the first time for this port, also write the Event (in the
+    /// background: the sync loop does not wait for the API server).
+    fn failed_to_start(&mut self, nsn: &NamespacedName, port: u16, error: &std::io::Error) {
+        tracing::warn!(service = %nsn, port, error = %error, "{FAILED_TO_START}");
+        if self.failed.insert(nsn.clone(), port) == Some(port) {
+            return;
+        }
+        let Some(recorder) = self.recorder.clone() else { return };
+        let reference = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Service".into()),
+            namespace: Some(nsn.namespace.clone()),
+            name: Some(nsn.name.clone()),
+            ..Default::default()
+        };
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: FAILED_TO_START.into(),
+            // kube-proxy: "Failed to start healthcheck \"%v\" on port %d: %v"
+            note: Some(format!("Failed to start healthcheck \"{nsn}\" on port {port}: {error}")),
+            action: "Listen".into(),
+            secondary: None,
+        };
+        let nsn = nsn.clone();
+        self.handle.spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &reference).await {
+                tracing::warn!(service = %nsn, error = %e, "could not write the {FAILED_TO_START} Event");
+            }
+        });
     }
 
     /// Bring the servers to `wanted` (Service → (port, local ready endpoints)).
     pub fn sync(&mut self, wanted: &HashMap<NamespacedName, (u16, usize)>) {
+        self.failed.retain(|nsn, port| wanted.get(nsn).is_some_and(|(p, _)| p == port));
         self.servers.retain(|nsn, s| {
             let keep = wanted.get(nsn).is_some_and(|(p, _)| *p == s.port);
             if !keep {
@@ -76,18 +128,23 @@ impl ServiceHealthServers {
             let listener = match bind(self.netns.as_ref(), *port) {
                 Ok(l) => l,
                 Err(e) => {
-                    tracing::warn!(service = %nsn, port, error = %e, "FailedToStartServiceHealthcheck");
+                    self.failed_to_start(nsn, *port, &e);
                     continue;
                 }
             };
-            let _guard = self.handle.enter();
-            let listener = match tokio::net::TcpListener::from_std(listener) {
+            let listener = {
+                let _guard = self.handle.enter();
+                tokio::net::TcpListener::from_std(listener)
+            };
+            let listener = match listener {
                 Ok(l) => l,
                 Err(e) => {
-                    tracing::warn!(service = %nsn, port, error = %e, "FailedToStartServiceHealthcheck");
+                    self.failed_to_start(nsn, *port, &e);
                     continue;
                 }
             };
+            self.failed.remove(nsn);
+            let _guard = self.handle.enter();
             let count = Arc::new(AtomicUsize::new(*local));
             let (c, shared, name) = (count.clone(), self.shared.clone(), nsn.clone());
             let handler: Handler = Arc::new(move |_path| {

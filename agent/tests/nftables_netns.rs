@@ -403,3 +403,43 @@ fn health_check_node_port_reports_local_endpoints() {
     assert!(text.contains("\"localEndpoints\":0"), "{text}");
     s.agent.assert_no_sync_failures();
 }
+
+#[test]
+fn health_check_node_port_that_cannot_be_opened_is_reported_then_retried() {
+    let s = setup(1, &["--sync-period", "2s"]);
+    // Hold a port in the node namespace, then give it to a Service as its health-check
+    // node port (another test may hold a candidate in the apiserver: try the next).
+    let api: kube::Api<k8s_openapi::api::core::v1::Service> = kube::Api::namespaced(s.kns.client.clone(), &s.kns.name);
+    let start = 30000 + (std::process::id() % 2000) as u16;
+    let mut held = None;
+    for port in (start..32768).chain(30000..start).take(200) {
+        let listener = in_netns(&s.topo.node.name, || std::net::TcpListener::bind(("0.0.0.0", port))).expect("bind in the fresh node namespace");
+        let svc: k8s_openapi::api::core::v1::Service = serde_json::from_value(json!({
+            "metadata": {"name": "hcfail", "labels": {"service.kubernetes.io/service-proxy-name": s.agent.proxy_name}},
+            "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local", "healthCheckNodePort": port, "ports": [{"port": 80, "targetPort": TCP_PORT}]},
+        }))
+        .expect("service json");
+        if s.kns.rt.block_on(api.create(&kube::api::PostParams::default(), &svc)).is_ok() {
+            held = Some((port, listener));
+            break;
+        }
+    }
+    let (port, listener) = held.expect("a free health-check node port");
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> = kube::Api::namespaced(s.kns.client.clone(), &s.kns.name);
+    let ev = wait_for("the FailedToStartServiceHealthcheck Event", SYNC, || {
+        let list = s.kns.rt.block_on(events.list(&Default::default())).ok()?;
+        list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("FailedToStartServiceHealthcheck") && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("hcfail")
+        })
+    });
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
+    let note = ev.note.unwrap_or_default();
+    assert!(note.contains(&format!("on port {port}")) && note.contains("hcfail"), "{note}");
+    assert_eq!(ev.regarding.as_ref().and_then(|r| r.kind.as_deref()), Some("Service"));
+    // Once the port is free, a later sync opens it (503: no local endpoint).
+    drop(listener);
+    let addr = sa(Topology::NODE_IP, port);
+    let (code, _) = wait_for("the health check node port after the retry", SYNC, || http_get_in(&s.topo.client.name, addr));
+    assert_eq!(code, 503);
+    s.agent.assert_no_sync_failures();
+}

@@ -22,7 +22,9 @@
 # cost through a VIP with 1 and 10k Services (agent/benches/vip_connect.rs, ours only):
 # "RESULT vip_connect_<n>_services median_us=<> p90_us=<> ratio_to_1=<>", and the dataplane
 # alone on synthetic Services (agent/benches/synthetic_sync.rs):
-# "RESULT synthetic_full_sync_<n>x10 ours_s=<>". Must run as root.
+# "RESULT synthetic_full_sync_<n>x10 ours_s=<>", "RESULT synthetic_one_change_at_<n> ours_s=<first>
+# kernel_s=<> median_s=<>" and "RESULT synthetic_count_change_at_<n> ours_s=<median>".
+# Our sync durations come from the agent's "sync done … elapsed_us" log lines. Must run as root.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

@@ -221,3 +221,39 @@ fn netlink_batches_program_what_nft_would() {
     let listing = ns_sh(&na.name, &["nft", "list", "table", "ip", "clusterip"]);
     assert!(!listing.contains("svc-ns/new"), "the removed Service's chains were deleted:\n{listing}");
 }
+
+#[test]
+fn a_big_netlink_batch_of_many_messages_is_applied_whole() {
+    let (na, nb) = (Netns::new("cipa"), Netns::new("cipa"));
+    let mut ours = NftablesProxier::new(Executor::in_netns(&na.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(true);
+    let mut nft = NftablesProxier::new(Executor::in_netns(&nb.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(false);
+    let all = |port: u16| -> Vec<_> { (0..300).map(|i| with_port(service(&format!("s{i}"), 10 + i, Protocol::Tcp, 3, |_| {}), port)).collect() };
+    for p in [&mut ours, &mut nft] {
+        sync_ok(p, SyncBatch { full: true, services: all(8080) });
+    }
+    // 300 Services × 3 slots × 2 families, deleted and re-added: 3600 element operations.
+    let a = sync_ok(&mut ours, SyncBatch { full: false, services: all(8081) });
+    let b = sync_ok(&mut nft, SyncBatch { full: false, services: all(8081) });
+    assert_eq!((a.operations, a.transactions, a.netlink_transactions), (3600, 1, 1), "{a:?}");
+    assert_eq!(b.netlink_transactions, 0);
+    assert_eq!(table_state(&na.name), table_state(&nb.name));
+}
+
+#[test]
+fn a_rejected_netlink_batch_changes_nothing_and_the_next_sync_rebuilds() {
+    let ns = Netns::new("cipa");
+    let mut p = NftablesProxier::new(Executor::in_netns(&ns.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(true);
+    let services = || vec![service("a", 1, Protocol::Tcp, 3, |_| {}), service("b", 2, Protocol::Tcp, 3, |_| {})];
+    sync_ok(&mut p, SyncBatch { full: true, services: services() });
+    // Behind the agent's back: slot 0 of "a" (v4) is gone, so deleting it fails (ENOENT).
+    ns_sh(&ns.name, &["nft", "delete", "element", "ip", "clusterip", "endpoint-dnat-tcp-0", "{ 0 }"]);
+    let before = ns_sh(&ns.name, &["nft", "-j", "list", "map", "ip", "clusterip", "endpoint-dnat-tcp-0"]);
+    let changed = vec![with_port(service("a", 1, Protocol::Tcp, 3, |_| {}), 8081), with_port(service("b", 2, Protocol::Tcp, 3, |_| {}), 8081)];
+    let err = p.sync(&SyncBatch { full: false, services: changed.clone() }).expect_err("the kernel refuses the batch");
+    assert!(err.to_string().contains("rejected"), "{err}");
+    assert_eq!(ns_sh(&ns.name, &["nft", "-j", "list", "map", "ip", "clusterip", "endpoint-dnat-tcp-0"]), before, "all or nothing");
+    // The retry (a full sync, as the loop does after a failure) rebuilds the tables.
+    let r = sync_ok(&mut p, SyncBatch { full: true, services: changed });
+    assert_eq!(r.netlink_transactions, 0, "a rebuild goes through nft");
+    assert!(ns_sh(&ns.name, &["nft", "list", "map", "ip", "clusterip", "endpoint-dnat-tcp-0"]).contains(". 8081"));
+}

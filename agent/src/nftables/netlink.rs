@@ -97,8 +97,10 @@ const NFT_JUMP: i32 = -3;
 const NFT_GOTO: i32 = -4;
 const NFT_RETURN: i32 = -5;
 
-/// Elements per netlink message (one message, one acknowledgement).
+/// Elements per netlink message (one message, one acknowledgement) at most; a message also
+/// ends once its element list passes [`ELEMENT_LIST_BYTES`] (attribute lengths are 16-bit).
 const ELEMENTS_PER_MESSAGE: usize = 256;
+const ELEMENT_LIST_BYTES: usize = 32 << 10;
 
 /// An element operation that cannot be encoded (unknown map, unparsable text).
 #[derive(Debug, thiserror::Error)]
@@ -214,6 +216,8 @@ struct Buf {
     b: Vec<u8>,
     /// Offsets of open nests.
     nests: Vec<usize>,
+    /// An attribute longer than its 16-bit length field allows was written.
+    overflow: bool,
 }
 
 impl Buf {
@@ -241,7 +245,10 @@ impl Buf {
         self.b[start..start + 4].copy_from_slice(&len.to_ne_bytes());
     }
     fn attr(&mut self, ty: u16, data: &[u8]) {
-        let len = (4 + data.len()) as u16;
+        let len = u16::try_from(4 + data.len()).unwrap_or_else(|_| {
+            self.overflow = true;
+            0
+        });
         self.b.extend_from_slice(&len.to_ne_bytes());
         self.b.extend_from_slice(&ty.to_ne_bytes());
         self.b.extend_from_slice(data);
@@ -259,7 +266,10 @@ impl Buf {
     }
     fn nest_end(&mut self) {
         if let Some(start) = self.nests.pop() {
-            let len = (self.b.len() - start) as u16;
+            let len = u16::try_from(self.b.len() - start).unwrap_or_else(|_| {
+                self.overflow = true;
+                0
+            });
             self.b[start..start + 2].copy_from_slice(&len.to_ne_bytes());
         }
     }
@@ -497,13 +507,7 @@ pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
                 continue;
             }
         };
-        let mut j = i;
-        while j < ops.len() && j - i < ELEMENTS_PER_MESSAGE {
-            match &ops[j] {
-                Op::Element(e) if e.family == first.family && e.set == first.set && e.delete == first.delete => j += 1,
-                _ => break,
-            }
-        }
+        let same_message = |o: &Op<'_>| matches!(o, Op::Element(e) if e.family == first.family && e.set == first.set && e.delete == first.delete);
         let ty = set_type(first.set).ok_or_else(|| Unencodable { set: first.set.to_string(), key: first.key.to_string(), why: "not a known map" })?;
         let (msg_ty, flags) = if first.delete {
             (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK)
@@ -514,8 +518,11 @@ pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
         buf.attr_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
         buf.attr_str(NFTA_SET_ELEM_LIST_SET, &first.set.to_string());
         buf.nest_start(NFTA_SET_ELEM_LIST_ELEMENTS);
-        for op in &ops[i..j] {
-            let Op::Element(op) = op else { continue };
+        let list_start = buf.b.len();
+        let mut j = i;
+        while j < ops.len() && j - i < ELEMENTS_PER_MESSAGE && buf.b.len() - list_start < ELEMENT_LIST_BYTES && same_message(&ops[j]) {
+            let Op::Element(op) = &ops[j] else { break };
+            j += 1;
             let bad = |why| Unencodable { set: op.set.to_string(), key: op.key.to_string(), why };
             buf.nest_start(NFTA_LIST_ELEM);
             let key = encode_fields(ty.key, op.key, op.family).map_err(bad)?;
@@ -545,6 +552,9 @@ pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
         buf.nest_end();
         buf.msg_end(m);
         i = j;
+    }
+    if buf.overflow {
+        return Err(Unencodable { set: String::new(), key: String::new(), why: "an attribute is longer than netlink allows" });
     }
     seq += 1;
     let end = buf.msg_start(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq, libc::AF_UNSPEC as u8, NFNL_SUBSYS_NFTABLES);
@@ -738,6 +748,18 @@ mod tests {
         let ty = |off: usize| u16::from_ne_bytes([b.bytes[off + 4], b.bytes[off + 5]]);
         assert_eq!(ty(0), NFNL_MSG_BATCH_BEGIN);
         assert_eq!(ty(20), (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSETELEM);
+        // Long verdicts: messages end before their element list outgrows 16-bit lengths.
+        let chain = format!("goto svc-{}", "x".repeat(240));
+        let keys: Vec<String> = (0..600).map(|i| format!("198.19.{}.{} . tcp . 80", i / 250, i % 250)).collect();
+        let many: Vec<Op> = keys
+            .iter()
+            .map(|k| Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named(SERVICE_IPS), key: k, value: Some(&chain), delete: false }))
+            .collect();
+        let b = encode(&many).expect("encode");
+        assert!(b.messages > 600 / ELEMENTS_PER_MESSAGE + 1, "{} messages", b.messages);
+        let long = "y".repeat(70_000);
+        let huge = [Op::AddChain { family: IpFamily::V4, chain: &long }];
+        assert!(encode(&huge).is_err(), "a 16-bit length overflow is refused, not wrapped");
         let bad = [Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named("other"), key: "1", value: None, delete: false })];
         assert!(encode(&bad).is_err());
         let bad = [Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named(HAIRPIN), key: "1.2.3.4 . 1.2.3.4", value: Some("drop"), delete: false })];

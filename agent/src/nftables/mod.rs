@@ -78,7 +78,7 @@ impl NftablesProxier {
             let _ = std::fs::write(path, tx.text());
         }
         if self.use_netlink {
-            if let Some(batch) = self.netlink_batch(tx) {
+            if let Some(batch) = self.netlink_batch(tx).filter(|_| self.ensure_socket()) {
                 let start = std::time::Instant::now();
                 let r = self.apply_netlink(&batch);
                 self.tool_time += start.elapsed();
@@ -110,11 +110,22 @@ impl NftablesProxier {
         }
     }
 
-    fn apply_netlink(&mut self, batch: &netlink::Batch) -> Result<(), DataplaneError> {
+    /// Open the netlink socket if needed. When it cannot be opened at all, netlink batches
+    /// are turned off and everything goes through `nft` (false).
+    fn ensure_socket(&mut self) -> bool {
         if self.socket.is_none() {
-            let netns = self.exec.netns_file();
-            self.socket = Some(netlink::Socket::open(netns.as_deref())?);
+            match netlink::Socket::open(self.exec.netns_file().as_deref()) {
+                Ok(s) => self.socket = Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no netlink socket: every transaction goes through nft");
+                    self.use_netlink = false;
+                }
+            }
         }
+        self.socket.is_some()
+    }
+
+    fn apply_netlink(&mut self, batch: &netlink::Batch) -> Result<(), DataplaneError> {
         let r = match &self.socket {
             Some(s) => s.apply(batch),
             None => Ok(()),
@@ -180,12 +191,9 @@ impl NftablesProxier {
             transactions += 1;
             operations += tx.ops();
         }
-        if self.use_netlink && self.socket.is_none() {
+        if self.use_netlink {
             // Open it now, outside the next partial sync's time (it may be the first batch).
-            match netlink::Socket::open(self.exec.netns_file().as_deref()) {
-                Ok(s) => self.socket = Some(s),
-                Err(e) => tracing::debug!(error = %e, "netlink socket not opened yet"),
-            }
+            self.ensure_socket();
         }
         Ok(self.report(transactions, operations))
     }

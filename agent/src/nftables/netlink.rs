@@ -615,8 +615,8 @@ impl Socket {
         })?;
         let s = Socket { fd };
         // Acknowledgements of a failed batch carry the whole request back: ask for the
-        // headers only.
-        s.setsockopt(libc::SOL_NETLINK, libc::NETLINK_CAP_ACK, 1)?;
+        // headers only (Linux ≥ 4.3; without it only the replies are bigger).
+        let _ = s.setsockopt(libc::SOL_NETLINK, libc::NETLINK_CAP_ACK, 1);
         // Room for a whole batch and its acknowledgements (the FORCE variants need
         // CAP_NET_ADMIN, which the agent has; the plain ones are capped by the sysctls).
         if s.setsockopt(libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, 4 << 20).is_err() {

@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::repair::{self, Repairer, Target};
 use crate::store::metered::MeteredStore;
 use crate::webhook::admission::Admission;
-use crate::webhook::apiserver_ips::ApiserverIps;
+use crate::store::apiserver_ips::ApiserverIps;
 use crate::webhook::{server, tls};
 
 use super::backend::{BackendArgs, BackendKind};

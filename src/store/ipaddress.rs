@@ -21,7 +21,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference, ServiceCIDR};
-use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Client;
@@ -371,12 +371,31 @@ impl AllocationStore for IpAddressStore {
                 Ok(())
             }
             Some(true) => {
+                // The watch says ours; the delete must not act on that alone (it may lag: our
+                // object gone, the address now someone else's). Read the object from storage
+                // and delete exactly that one, with its uid and resourceVersion as
+                // preconditions.
                 let name = ip.to_string();
-                // Delete only the object we manage: precondition on its current uid would
-                // need a GET; the managed-by check above comes from the watch.
-                match self.api.delete(&name, &DeleteParams::default()).await {
+                let current = match self.api.get_opt(&name).await {
+                    Ok(Some(obj)) => obj,
+                    Ok(None) => {
+                        lock(&self.state).forget(ip);
+                        return Ok(());
+                    }
+                    Err(e) => return Err(api_error("reading IPAddress", &name, e)),
+                };
+                if !managed_by(&current, &self.cfg.manager) {
+                    debug!(%ip, "not releasing an IPAddress managed by another controller");
+                    return Ok(());
+                }
+                let preconditions = Preconditions { uid: current.metadata.uid.clone(), resource_version: current.metadata.resource_version.clone() };
+                match self.api.delete(&name, &DeleteParams { preconditions: Some(preconditions), ..Default::default() }).await {
                     Ok(_) => {}
                     Err(kube::Error::Api(s)) if s.code == 404 => {}
+                    // Changed since the read (replaced or updated): not the object we judged.
+                    Err(kube::Error::Api(s)) if s.code == 409 => {
+                        return Err(StoreError::Unavailable(format!("IPAddress {name} changed while being released; retry")));
+                    }
                     Err(e) => return Err(api_error("deleting IPAddress", &name, e)),
                 }
                 lock(&self.state).forget(ip);

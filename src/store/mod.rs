@@ -10,6 +10,7 @@
 //! Both pick addresses with the same allocation map ([`crate::alloc`]), so the static/dynamic
 //! band rules are identical; they differ only in how a choice is made durable.
 
+pub mod apiserver_ips;
 pub mod etcd;
 pub mod etcd_pool;
 pub mod ipaddress;
@@ -45,6 +46,13 @@ impl ParentRef {
     /// The parentRef of a core Service.
     pub fn service(namespace: &str, name: &str) -> Self {
         Self { group: String::new(), resource: "services".into(), namespace: Some(namespace.into()), name: name.into() }
+    }
+}
+
+impl From<&k8s_openapi::api::networking::v1::ParentReference> for ParentRef {
+    /// The parentRef an IPAddress object carries (an absent group is the core group).
+    fn from(p: &k8s_openapi::api::networking::v1::ParentReference) -> Self {
+        Self { group: p.group.clone().unwrap_or_default(), resource: p.resource.clone(), namespace: p.namespace.clone(), name: p.name.clone() }
     }
 }
 

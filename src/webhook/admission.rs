@@ -13,9 +13,9 @@ use serde_json::json;
 use tracing::{debug, warn};
 
 use crate::cidr::Family;
+use crate::store::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, ParentRef, StoreError};
 
-use super::apiserver_ips::ApiserverIps;
 use super::clusterips::{self, Decision, FieldError, Plan, Want};
 
 /// Annotation our mutating webhook puts on a Service whose addresses it reserved, so the

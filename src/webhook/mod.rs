@@ -3,7 +3,6 @@
 //! HTTPS with a certificate that follows its files ([`tls`], [`server`]).
 
 pub mod admission;
-pub mod apiserver_ips;
 pub mod clusterips;
 pub mod server;
 pub mod tls;

@@ -1,6 +1,12 @@
 //! The addresses the cluster already records as IPAddress objects — the kube-apiserver's
-//! own allocations included — kept by a watch. The webhook never hands out one of them:
-//! a stock kube-apiserver would refuse the Service ("provided IP is already allocated").
+//! own allocations included — kept by a watch. Admission never hands out one of them: a
+//! stock kube-apiserver would refuse the Service ("provided IP is already allocated").
+//!
+//! The set is a *view*: it lags the apiserver by the watch's delay, so it serves as a hint
+//! (which candidates to skip, when to look again) and never as the deciding read. Where a
+//! decision must not be made on a stale picture, callers read the IPAddress itself from the
+//! apiserver (see `reservations.rs` and docs/backends.md, "Decisions on a possibly stale
+//! view").
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -11,7 +17,7 @@ use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::Api;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tracing::warn;
 
 use crate::cidr;
@@ -20,6 +26,8 @@ use crate::cidr;
 #[derive(Clone, Default)]
 pub struct ApiserverIps {
     set: Arc<RwLock<HashSet<IpAddr>>>,
+    /// Woken whenever an address is added (a new record, or a relist).
+    added: Arc<Notify>,
 }
 
 impl ApiserverIps {
@@ -27,7 +35,7 @@ impl ApiserverIps {
     pub fn start(client: kube::Client) -> (Self, watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
         let me = Self::default();
         let (tx, rx) = watch::channel(false);
-        let set = me.set.clone();
+        let (set, added) = (me.set.clone(), me.added.clone());
         let task = tokio::spawn(async move {
             let api: Api<IPAddress> = Api::all(client);
             let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
@@ -43,10 +51,12 @@ impl ApiserverIps {
                     Ok(Event::InitDone) => {
                         *set.write().unwrap_or_else(|p| p.into_inner()) = relist.take().unwrap_or_default();
                         tx.send_replace(true);
+                        added.notify_waiters();
                     }
                     Ok(Event::Apply(o)) => {
                         if let Some(ip) = address(&o) {
                             set.write().unwrap_or_else(|p| p.into_inner()).insert(ip);
+                            added.notify_waiters();
                         }
                     }
                     Ok(Event::Delete(o)) => {
@@ -61,6 +71,13 @@ impl ApiserverIps {
         (me, rx, task)
     }
 
+    /// A view that no watch updates: the given addresses, as of whenever they were read.
+    /// For tools that judge against one picture, and for tests that hold a replica's view
+    /// back to reproduce a lagging watch.
+    pub fn fixed(addresses: impl IntoIterator<Item = IpAddr>) -> Self {
+        Self { set: Arc::new(RwLock::new(addresses.into_iter().collect())), added: Arc::default() }
+    }
+
     pub fn contains(&self, ip: IpAddr) -> bool {
         self.set.read().unwrap_or_else(|p| p.into_inner()).contains(&ip)
     }
@@ -68,6 +85,11 @@ impl ApiserverIps {
     /// Every recorded address, for seeding a backend.
     pub fn snapshot(&self) -> Vec<IpAddr> {
         self.set.read().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+    }
+
+    /// Resolves the next time an address is added to the view.
+    pub async fn added(&self) {
+        self.added.notified().await
     }
 }
 

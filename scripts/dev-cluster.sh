@@ -7,6 +7,15 @@
 #   scripts/dev-cluster.sh stop C   stop one component (etcd, kube-apiserver) of a running cluster
 #   scripts/dev-cluster.sh start C  start it again with the same state, ports and flags
 #                                   (fault tests use these two)
+#   scripts/dev-cluster.sh reap     remove what runs whose owner is gone left behind: clusters,
+#                                   processes (run cgroups), memory caps, network namespaces
+#                                   cip<pid>x*, data dirs; one line per thing removed
+#
+# Owners: with CLUSTERIP_OWNER_PID=<pid> (scripts/test.sh sets its own pid, tests/support the
+# test process's), `up` records that process (pid + start time) in <state>/owner and starts a
+# watchdog that runs `down` as soon as the owner is gone (CLUSTERIP_WATCHDOG=0: no watchdog;
+# `reap` still removes the cluster). Without it the cluster has no owner and lives until
+# `down`. `up` reaps first. See docs/development.md.
 #
 # State lives in .cluster/ at the repository root (git-ignored), or in CLUSTERIP_CLUSTER_DIR.
 # Binaries are built from Go modules into ${CLUSTERIP_CACHE:-~/.cache/clusterip}, keyed by the
@@ -21,6 +30,8 @@ state=$(realpath -m "${CLUSTERIP_CLUSTER_DIR:-$repo/.cluster}")
 builder="$repo/scripts/lib/build-go-binaries.sh"
 # shellcheck source=versions.env
 . "$repo/scripts/versions.env"
+# shellcheck source=lib/owners.sh
+. "$repo/scripts/lib/owners.sh"
 
 # The apiserver's own service ranges (both families; the first is the default family).
 SERVICE_CIDRS=${CLUSTERIP_APISERVER_SERVICE_CIDRS:-198.19.0.0/16,fd00:10:96::/112}
@@ -284,6 +295,7 @@ wait_ready() {
   done
 }
 
+# shellcheck source=/dev/null
 load_ports() { [ -f "$state/ports.env" ] && . "$state/ports.env"; }
 
 all_running() {
@@ -305,8 +317,17 @@ check_tools() {
 }
 
 cmd_up() {
-  "$repo/scripts/lib/ensure-packages.sh" protobuf-compiler openssl iproute2 curl util-linux ca-certificates
+  # What killed runs left behind goes first (never anything whose owner is alive).
+  cmd_reap >&2 || log "reap reported errors (above); going on"
+  # scripts/test.sh and the benches install packages before anything runs; not in the middle
+  # of a test (tests/support sets the marker too).
+  [ "${CLUSTERIP_PACKAGES_ENSURED:-}" = 1 ] ||
+    "$repo/scripts/lib/ensure-packages.sh" protobuf-compiler openssl iproute2 curl util-linux ca-certificates
   check_tools
+  local owner=""
+  if [ -n "${CLUSTERIP_OWNER_PID:-}" ]; then
+    owner=$(owner_of "$CLUSTERIP_OWNER_PID") || die "CLUSTERIP_OWNER_PID=$CLUSTERIP_OWNER_PID: no such process"
+  fi
   bin_dirs
   if [ -d "$state" ] && all_running; then
     log "already up"
@@ -319,6 +340,7 @@ cmd_up() {
   kubectl_too_old && extra+=(kubectl)
   "$builder" etcd kube-apiserver "${extra[@]}"
   mkdir -p "$state"
+  [ -z "$owner" ] || echo "$owner" > "$state/owner"
   # Clusters started side by side (parallel tests) pick ports one at a time: the lock is held
   # from picking until every component has bound its ports and is ready.
   exec 9>"${TMPDIR:-/tmp}/clusterip-dev-cluster.ports.lock"
@@ -353,6 +375,7 @@ CLUSTERIP_METRICS_URL=http://127.0.0.1:$CONTROLLER_METRICS_PORT
 EOF
   # A failed start leaves nothing running (the log tail was already printed).
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; stopping what was started"; cmd_down quiet; fi' EXIT
+  [ -z "$owner" ] || [ "${CLUSTERIP_WATCHDOG:-1}" = 0 ] || start_watchdog
   local c
   for c in "${COMPONENTS[@]}"; do
     log "starting $c"
@@ -366,8 +389,39 @@ EOF
   echo "export KUBECONFIG=$state/kubeconfig"
 }
 
+# The watchdog of this cluster (an owned one), if it runs: pid on stdout.
+watchdog_pid() {
+  local f="$state/watchdog.pid" pid
+  [ -f "$f" ] || return 1
+  pid=$(cat "$f" 2>/dev/null) || return 1
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "__watchdog $state " || return 1
+  echo "$pid"
+}
+
+# Polls the owner every second; once it is gone, stops the cluster. Ends with the cluster:
+# `down` kills it, and it leaves when the state directory (its owner file) is gone.
+cmd_watchdog() {
+  local pid=$1 start=$2
+  while [ -f "$state/owner" ] && owner_alive "$pid" "$start"; do sleep 1; done
+  [ -f "$state/owner" ] || exit 0
+  log "owner $pid is gone; stopping the cluster in $state"
+  cmd_down quiet
+}
+
+start_watchdog() {
+  local pid start
+  read -r pid start < "$state/owner"
+  setsid bash "$repo/scripts/dev-cluster.sh" __watchdog "$state" "$pid" "$start" \
+    >"$state/watchdog.log" 2>&1 < /dev/null 9>&- &
+  echo $! > "$state/watchdog.pid"
+}
+
 cmd_down() {
-  local i
+  local i pid
+  # The watchdog first, so that it does not stop the cluster at the same time (unless this is it).
+  if pid=$(watchdog_pid) && [ "$pid" != $$ ]; then kill -TERM "$pid" 2>/dev/null || true; fi
+  rm -f "$state/watchdog.pid"
   # Everything a pid file names, whatever this invocation's CLUSTERIP_CONTROLLER says.
   for ((i = ${#ALL_COMPONENTS[@]} - 1; i >= 0; i--)); do stop_component "${ALL_COMPONENTS[$i]}"; done
   # (`up` cleaning up after a failed start already holds the lock.)
@@ -391,6 +445,10 @@ cmd_status() {
       echo "$c: not running"; ok=1
     fi
   done
+  if [ -f "$state/owner" ]; then
+    local opid ostart; read -r opid ostart < "$state/owner"
+    if owner_alive "$opid" "$ostart"; then echo "owner: pid $opid (running)"; else echo "owner: pid $opid (gone: 'reap' removes this cluster)"; ok=1; fi
+  fi
   [ $ok -eq 0 ] && echo "export KUBECONFIG=$state/kubeconfig"
   return $ok
 }
@@ -416,11 +474,75 @@ cmd_start() {
   log "$1 ready"
 }
 
+# ---------------------------------------------------------------- reap
+# Clusters whose owner is gone: stopped (`down`), state dir and port registry lines removed.
+reap_clusters() {
+  local dirs=() d root dir port opid ostart c pid ports
+  if [ -f "$port_registry" ]; then
+    while read -r dir port; do dirs+=("$dir"); done < "$port_registry"
+  fi
+  # (Other data dirs with an owner file are reap_dirs' business.)
+  while IFS= read -r root; do
+    for d in "$root"/clusterip-*/; do
+      d=${d%/}
+      if [ -f "$d/ports.env" ] || [ -f "$d/etcd.pid" ] || [ -f "$d/watchdog.pid" ]; then dirs+=("$d"); fi
+    done
+  done < <(tmp_roots)
+  for d in $(printf '%s\n' "${dirs[@]}" | sort -u); do
+    [ -f "$d/owner" ] || continue
+    owner_file_alive "$d/owner" && continue
+    read -r opid ostart < "$d/owner" || true
+    (
+      state=$d
+      for c in "${ALL_COMPONENTS[@]}"; do
+        pid=$(live_pid "$c") && echo "reap: cluster $d: stopping $c (pid $pid)"
+      done
+      ports=$(awk -v d="$d" '$1 == d { printf " %s", $2 }' "$port_registry" 2>/dev/null || true)
+      cmd_down quiet 2>/dev/null
+      [ -z "$ports" ] || echo "reap: cluster $d: released ports$ports"
+      echo "reap: removed cluster $d (owner $opid gone)"
+    )
+  done
+  # Registry lines of clusters whose directory is gone (removed by hand, say).
+  (
+    flock 8
+    [ -f "$port_registry" ] || exit 0
+    while read -r dir port; do [ -d "$dir" ] || echo "reap: released port $port of $dir (directory gone)"; done < "$port_registry"
+    claim_ports_keep_existing
+  ) 8>"${TMPDIR:-/tmp}/clusterip-dev-cluster.ports.lock"
+}
+
+# Rewrite the registry without lines of clusters whose directory is gone.
+claim_ports_keep_existing() {
+  local tmp="$port_registry.$$" dir port
+  : > "$tmp"
+  while read -r dir port; do [ -d "$dir" ] && echo "$dir $port" >> "$tmp"; done < "$port_registry"
+  mv "$tmp" "$port_registry"
+}
+
+# Everything of runs whose owner is gone, in an order that needs one pass: processes of dead
+# runs first (their clusters' owners, watchdogs, orphans die with them), then memory caps,
+# clusters, network namespaces, data directories. One reap at a time on the machine.
+cmd_reap() {
+  local rc=0
+  exec 7>"${TMPDIR:-/tmp}/clusterip-reap.lock"
+  flock 7
+  reap_runs || rc=1
+  reap_caps || rc=1
+  reap_clusters || rc=1
+  reap_netns || rc=1
+  reap_dirs || rc=1
+  exec 7>&-
+  return $rc
+}
+
 case "${1:-}" in
   up) cmd_up ;;
+  reap) cmd_reap ;;
+  __watchdog) state=$2; cmd_watchdog "$3" "$4" ;;
   down) cmd_down ;;
   status) cmd_status ;;
   stop) cmd_stop "${2:-}" ;;
   start) cmd_start "${2:-}" ;;
-  *) echo "usage: $0 up|down|status|stop COMPONENT|start COMPONENT" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|reap|stop COMPONENT|start COMPONENT" >&2; exit 2 ;;
 esac

@@ -2,10 +2,17 @@
 # Builds the Go-made real parts (kube-apiserver, kubectl, kube-proxy, etcd) from Go modules
 # into a cache directory keyed by version, once per machine.
 #
-#   scripts/lib/build-go-binaries.sh kube-apiserver|kubectl|kube-proxy|etcd ...
+#   scripts/lib/build-go-binaries.sh kube-apiserver|kubectl|kube-proxy|etcd|ipallocbench ...
+#   scripts/lib/build-go-binaries.sh k8s-module     the wrapper module's directory, on stdout
+#   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=… and ETCD_BIN=… lines
 #
-# Prints nothing but progress on stderr; the binaries land in "$(cache_bin_dir)".
+# Prints nothing but progress on stderr; the binaries land in the K8S_BIN / ETCD_BIN dirs.
 # CLUSTERIP_CACHE overrides the cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/clusterip).
+#
+# Builds are serialised per cache root: whatever is missing is built under an exclusive
+# flock on <cache root>/.build.lock, so two cold starts at once never build into (or delete)
+# the same module directory; the second waits, then finds the binaries there. A binary is
+# moved into place only when complete (<name>.tmp, then mv).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=../versions.env
@@ -18,10 +25,26 @@ export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
 log() { echo "build-go-binaries: $*" >&2; }
 
+# Take the cache's build lock (once per invocation); say so when another build holds it.
+locked=
+lock_cache() {
+  [ -n "$locked" ] && return 0
+  mkdir -p "$cache_root"
+  exec 8>"$cache_root/.build.lock"
+  if ! flock -n 8; then
+    log "another build holds $cache_root/.build.lock; waiting for it"
+    flock 8
+  fi
+  locked=1
+}
+
 # A wrapper module that requires k8s.io/kubernetes and points every k8s.io staging module
 # (listed in kubernetes' own go.mod as "=> ./staging/src/...") at its published v0.x.y.
 k8s_module() {
   local mod="$k8s_dir/src"
+  [ -f "$mod/.ready" ] && { echo "$mod"; return; }
+  lock_cache
+  # (Another build may have finished it while we waited for the lock.)
   [ -f "$mod/.ready" ] && { echo "$mod"; return; }
   rm -rf "$mod"; mkdir -p "$mod"
   local minor=${K8S_VERSION#1.}
@@ -63,6 +86,8 @@ GO
 build_k8s() {
   local name=$1 out="$k8s_dir/bin/$1"
   [ -x "$out" ] && return 0
+  lock_cache
+  [ -x "$out" ] && return 0
   local mod; mod=$(k8s_module)
   mkdir -p "$k8s_dir/bin"
   log "building $name v$K8S_VERSION from Go modules (slow the first time; cached in $k8s_dir)"
@@ -77,6 +102,8 @@ build_k8s() {
 
 build_etcd() {
   local out="$etcd_dir/bin/etcd"
+  [ -x "$out" ] && return 0
+  lock_cache
   [ -x "$out" ] && return 0
   local mod="$etcd_dir/src"
   rm -rf "$mod"; mkdir -p "$mod" "$etcd_dir/bin"
@@ -107,9 +134,25 @@ GO
   mv "$out.tmp" "$out"
 }
 
+# Kubernetes' ipallocator benchmark (scripts/bench-allocator.sh), built inside the wrapper
+# module (it pins every k8s.io staging module); rebuilt when its source is newer.
+build_ipallocbench() {
+  local src="$here/../../benches/k8s-ipallocator/main.go" out="$k8s_dir/bin/ipallocbench"
+  [ -x "$out" ] && [ ! "$src" -nt "$out" ] && return 0
+  lock_cache
+  [ -x "$out" ] && [ ! "$src" -nt "$out" ] && return 0
+  local mod; mod=$(k8s_module)
+  mkdir -p "$mod/cmd/ipallocbench" "$k8s_dir/bin"
+  cp "$src" "$mod/cmd/ipallocbench/main.go"
+  log "building Kubernetes' ipallocator benchmark (v$K8S_VERSION)"
+  (cd "$mod" && go build -trimpath -o "$out.tmp" ./cmd/ipallocbench) >&2
+  mv "$out.tmp" "$out"
+}
+
 for what in "$@"; do
   case "$what" in
     kube-apiserver|kubectl|kube-proxy) build_k8s "$what" ;;
+    ipallocbench) build_ipallocbench ;;
     etcd) build_etcd ;;
     k8s-module) k8s_module ;;
     print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin" ;;

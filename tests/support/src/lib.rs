@@ -6,8 +6,17 @@
 //! - Otherwise the first caller in a test binary starts a private cluster in a temporary
 //!   directory, and it is stopped with `dev-cluster.sh down` when the test binary exits
 //!   (normally or after failed tests), through an `atexit` hook.
+//!
+//! Nothing a test starts outlives it (docs/development.md, "Nothing a run starts outlives
+//! it"): private clusters are owned by the test process (`CLUSTERIP_OWNER_PID`: their
+//! watchdog stops them when the process is gone, killed included, and
+//! `scripts/dev-cluster.sh reap` removes what is left); processes a test spawns should go
+//! through [`die_with_parent`]; network namespaces are named [`netns_name`]
+//! (`cip<pid>x<suffix>`) and scratch directories come from [`owned_temp_dir`], so that a
+//! reap finds those whose process is gone.
 
 use std::collections::HashMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -52,14 +61,23 @@ fn start_or_reuse() -> ControlPlane {
     *OWNED_DIR.lock().expect("lock") = Some(dir.clone());
     // SAFETY: registering a plain extern "C" function with no captured state.
     unsafe { libc::atexit(stop_owned_cluster) };
-    let status = Command::new(repo_root().join("scripts/dev-cluster.sh"))
-        .arg("up")
-        .env("CLUSTERIP_CLUSTER_DIR", &dir)
-        .env("CLUSTERIP_CONTROLLER", "0")
-        .status()
-        .expect("run scripts/dev-cluster.sh");
+    let status = owned_up(&dir).status().expect("run scripts/dev-cluster.sh");
     assert!(status.success(), "scripts/dev-cluster.sh up failed ({status})");
     ControlPlane::read(&dir).expect("cluster env written by dev-cluster.sh")
+}
+
+/// `dev-cluster.sh up` for a private cluster in `dir`, owned by this test process (stopped
+/// by its watchdog when the process is gone, however it ended), without a controller (tests
+/// that want one start their own) and without installing packages (not from inside a test:
+/// scripts/test.sh does that first; a missing tool is named instead).
+fn owned_up(dir: &Path) -> Command {
+    let mut cmd = Command::new(repo_root().join("scripts/dev-cluster.sh"));
+    cmd.arg("up")
+        .env("CLUSTERIP_CLUSTER_DIR", dir)
+        .env("CLUSTERIP_CONTROLLER", "0")
+        .env("CLUSTERIP_OWNER_PID", std::process::id().to_string())
+        .env("CLUSTERIP_PACKAGES_ENSURED", "1");
+    cmd
 }
 
 extern "C" fn stop_owned_cluster() {
@@ -87,14 +105,7 @@ impl ControlPlane {
     /// stopped and removed when the value is dropped, failed test included.
     pub fn private(tag: &str) -> ControlPlane {
         let dir = std::env::temp_dir().join(format!("clusterip-{tag}-{}", std::process::id()));
-        let status = Command::new(repo_root().join("scripts/dev-cluster.sh"))
-            .arg("up")
-            .env("CLUSTERIP_CLUSTER_DIR", &dir)
-            // Tests that want a controller start their own.
-            .env("CLUSTERIP_CONTROLLER", "0")
-            .stdout(std::process::Stdio::null())
-            .status()
-            .expect("run scripts/dev-cluster.sh");
+        let status = owned_up(&dir).stdout(std::process::Stdio::null()).status().expect("run scripts/dev-cluster.sh");
         let mut cp = ControlPlane::read(&dir).unwrap_or_else(|e| {
             let _ = Command::new(repo_root().join("scripts/dev-cluster.sh")).arg("down").env("CLUSTERIP_CLUSTER_DIR", &dir).status();
             panic!("private control plane in {}: {e}", dir.display())
@@ -180,4 +191,90 @@ pub fn unique_name(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
     format!("{prefix}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Makes the process `cmd` spawns die (SIGKILL) when its parent goes away, so nothing a test
+/// starts outlives it, even when the test process is killed: `PR_SET_PDEATHSIG(SIGKILL)` is
+/// set in the child between fork and exec, and the child checks `getppid()` afterwards (if
+/// the parent already died in between, the child exits instead of running the program).
+///
+/// Caveat: the kernel sends the signal when the *thread* that spawned the child exits, not
+/// the process. Spawn from a thread that outlives the child: the test's own thread (the child
+/// then dies when the test function returns; fine for what the test owns), or a thread kept
+/// for the purpose; not from `tokio::task::spawn_blocking` (its threads exit after being idle
+/// ~10 s) nor from a short-lived helper thread, and not inside a `OnceLock` initialiser
+/// shared by tests running on other threads. The signal is not sent on `exec` of the parent.
+///
+/// ```no_run
+/// let mut cmd = std::process::Command::new("sleep");
+/// let child = clusterip_test_support::die_with_parent(cmd.arg("600")).spawn().unwrap();
+/// # drop(child);
+/// ```
+pub fn die_with_parent(cmd: &mut std::process::Command) -> &mut std::process::Command {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: between fork and exec the closure calls only async-signal-safe functions
+    // (prctl, getppid) and allocates nothing on the success path.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before prctl: then nobody will send the signal.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// [`die_with_parent`] for `tokio::process::Command`. The same caveat: the signal comes when
+/// the spawning thread exits. Spawning from an async task on a runtime worker thread ties the
+/// child to that worker (for `#[tokio::test]`'s current-thread runtime: the test's thread), so
+/// it dies at the latest when the runtime shuts down; never spawn from `spawn_blocking`.
+pub fn die_with_parent_tokio(cmd: &mut tokio::process::Command) -> &mut tokio::process::Command {
+    die_with_parent(cmd.as_std_mut());
+    cmd
+}
+
+/// The name of a network namespace owned by this test process: `cip<pid>x<suffix>` (suffix:
+/// letters and digits). `scripts/dev-cluster.sh reap` deletes `cip<pid>x*` namespaces whose
+/// pid is gone, after killing the processes inside, should the test die before removing it.
+pub fn netns_name(suffix: &str) -> String {
+    assert!(suffix.chars().all(|c| c.is_ascii_alphanumeric()), "netns suffix {suffix:?}: letters and digits only");
+    format!("cip{}x{suffix}", std::process::id())
+}
+
+/// A new scratch directory `$TMPDIR/clusterip-<tag>-<pid>-<n>` with an `owner` file naming
+/// this test process (pid and start time), so that `scripts/dev-cluster.sh reap` removes it
+/// once the process is gone. The test removes it itself when done (or leaves it to the reap).
+pub fn owned_temp_dir(tag: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let pid = std::process::id();
+    let dir = std::env::temp_dir().join(format!("clusterip-{tag}-{pid}-{}", N.fetch_add(1, Ordering::Relaxed)));
+    std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    let start = proc_start_time(pid).expect("own start time");
+    std::fs::write(dir.join("owner"), format!("{pid} {start}\n")).expect("write owner file");
+    dir
+}
+
+/// The start time of a live process (field 22 of `/proc/<pid>/stat`, clock ticks since
+/// boot); `None` when there is no such process or it is a zombie. A pid with the start time
+/// it had names one process, even after the pid is reused.
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 2 (comm) is in parentheses and may contain spaces: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 (state), fields[19] field 22 (starttime).
+    if matches!(fields.first(), Some(&"Z") | Some(&"X") | Some(&"x")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Whether the process `pid` started at `start` (see [`proc_start_time`]) still runs.
+pub fn process_alive(pid: u32, start: u64) -> bool {
+    proc_start_time(pid) == Some(start)
 }

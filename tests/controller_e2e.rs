@@ -1,14 +1,18 @@
 //! The admission webhook in front of the real kube-apiserver: Services created through the
-//! API get addresses from our ranges (198.19.0.0/17 and fd00:10:96::/113, strict subsets of
-//! the apiserver's 198.19.0.0/16 and fd00:10:96::/112), and requests we cannot honour are
-//! rejected with the error the client sees in Kubernetes' words.
+//! API get addresses from our ranges (slices of 198.19.0.0/17 and fd00:10:96::/113, strict
+//! subsets of the apiserver's 198.19.0.0/16 and fd00:10:96::/112), and requests we cannot
+//! honour are rejected with the error the client sees in Kubernetes' words.
 //!
 //! Each test runs its own controller process(es) with webhook configurations that select
-//! only a namespace of the test's own, so nothing else in the cluster is affected.
+//! only a namespace of the test's own, so nothing else in the cluster is affected, and with
+//! ranges of its own ([`Slice`]): tests run side by side, and two controllers with separate
+//! records assigning from one range are two independent allocators, which a real cluster
+//! never has.
+
+mod controller_common;
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, TcpListener};
-use std::process::{Child, Command, Stdio};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
@@ -18,51 +22,78 @@ use kube::Client;
 use serde_json::json;
 
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use controller_common::Controller;
 
-const OUR_V4: &str = "198.19.0.0/17";
-const OUR_V6: &str = "fd00:10:96::/113";
+/// The ranges one test's controllers assign from: slice `k` of our ranges, 198.19.8k.0/21
+/// and fd00:10:96::(800·k)/117 (2048 addresses each; static band = the first 128). Slice 0
+/// holds the fixed addresses other test files use (198.19.0.x, fd00:10:96::x) and is left out.
+#[derive(Clone, Copy, Debug)]
+struct Slice(u8);
 
-/// One burst at a time. Each test runs its own controllers with their own records, and they
-/// all assign from the same ranges of one apiserver: two bursts side by side are two
-/// independent allocators, which a real cluster never has (they could pick the same
-/// address in the moment between one's answer and the apiserver's IPAddress record).
-static BURST: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+impl Slice {
+    fn v4(self) -> String {
+        format!("198.19.{}.0/21", 8 * self.0 as u32)
+    }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+    fn v6(self) -> String {
+        format!("fd00:10:96::{:x}/117", 0x800 * self.0 as u32)
+    }
+
+    /// The `n`-th address of the IPv4 slice (n ≤ 128: the static band).
+    fn v4_static(self, n: u32) -> IpAddr {
+        assert!((1..=128).contains(&n));
+        IpAddr::V4(Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 19, 8 * self.0, 0)) + n))
+    }
+
+    /// Kubernetes' dynamic band of the slice: above the first 128 usable addresses.
+    fn in_dynamic_band(self, ip: IpAddr) -> bool {
+        match ip {
+            IpAddr::V4(v4) => {
+                let base = u32::from(Ipv4Addr::new(198, 19, 8 * self.0, 0));
+                let n = u32::from(v4);
+                n > base + 128 && n < base + 2047
+            }
+            IpAddr::V6(v6) => {
+                let base = u128::from("fd00:10:96::".parse::<Ipv6Addr>().expect("v6 base")) + 0x800 * self.0 as u128;
+                let n = u128::from(v6);
+                n > base + 128 && n <= base + 2047
+            }
+        }
+    }
 }
 
 /// A controller process and its webhook registration, removed on drop.
 struct Webhook {
-    children: Vec<Child>,
+    children: Vec<Controller>,
     name: String,
     namespace: String,
     client: Client,
+    slice: Slice,
 }
 
 impl Webhook {
-    async fn start(cp: &ControlPlane, backend: &str) -> Webhook {
-        Self::start_replicas(cp, backend, 1).await
+    async fn start(cp: &ControlPlane, backend: &str, slice: Slice) -> Webhook {
+        Self::start_replicas(cp, backend, 1, slice).await
     }
 
     /// `replicas` controller processes (identities replica-0, replica-1, …) sharing one
     /// backend and one leader Lease, behind a round-robin TCP proxy the webhook URL names.
-    async fn start_replicas(cp: &ControlPlane, backend: &str, replicas: usize) -> Webhook {
+    async fn start_replicas(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice) -> Webhook {
         let client = cp.client().await;
         let name = unique_name("e2e");
         let pki = cp.dir().join("pki");
         let mut children = Vec::new();
         let mut ports = Vec::new();
         for i in 0..replicas {
-            let (child, webhook_port, metrics_port) = spawn_controller(cp, backend, &name, i);
-            children.push(child);
-            ports.push(webhook_port);
-            wait_ready(metrics_port).await;
+            let c = spawn_controller(cp, backend, &name, i, slice);
+            c.wait_ready().await;
+            ports.push(c.webhook_port);
+            children.push(c);
         }
         let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("proxy listener");
         let webhook_port = proxy.local_addr().expect("proxy address").port();
         tokio::spawn(round_robin(proxy, ports));
-        let mut wh = Webhook { children, name: name.clone(), namespace: name.clone(), client: client.clone() };
+        let mut wh = Webhook { children, name: name.clone(), namespace: name.clone(), client: client.clone(), slice };
 
         let ca = std::fs::read(pki.join("ca.crt")).expect("dev CA");
         use base64::Engine as _;
@@ -73,14 +104,14 @@ impl Webhook {
             "metadata": {"name": name},
             "webhooks": [{"name": "assign.clusterip.allocator", "clientConfig": {"url": format!("https://127.0.0.1:{webhook_port}/mutate"), "caBundle": ca},
                 "rules": rules, "namespaceSelector": selector, "failurePolicy": "Fail", "sideEffects": "NoneOnDryRun",
-                "admissionReviewVersions": ["v1"], "timeoutSeconds": 10}]
+                "admissionReviewVersions": ["v1"], "timeoutSeconds": 30}]
         }))
         .expect("mutating configuration");
         let validating: ValidatingWebhookConfiguration = serde_json::from_value(json!({
             "metadata": {"name": name},
             "webhooks": [{"name": "validate.clusterip.allocator", "clientConfig": {"url": format!("https://127.0.0.1:{webhook_port}/validate"), "caBundle": ca},
                 "rules": rules, "namespaceSelector": selector, "failurePolicy": "Fail", "sideEffects": "None",
-                "admissionReviewVersions": ["v1"], "timeoutSeconds": 10}]
+                "admissionReviewVersions": ["v1"], "timeoutSeconds": 30}]
         }))
         .expect("validating configuration");
         Api::<MutatingWebhookConfiguration>::all(client.clone()).create(&PostParams::default(), &mutating).await.expect("register mutating webhook");
@@ -95,29 +126,33 @@ impl Webhook {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// The apiserver picks up webhook configurations asynchronously: create a probe Service
-    /// until it carries our annotation.
+    /// The apiserver picks up webhook configurations asynchronously: probe with a dry-run
+    /// create (nothing is allocated by anyone) of an address inside the apiserver's range but
+    /// outside ours, which only our webhook refuses, until it does.
     async fn wait_registered(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let dry = PostParams { dry_run: true, ..Default::default() };
+        let probe = service("probe", |s| s.cluster_ip = Some("198.19.200.5".into()));
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let name = unique_name("probe");
-            if let Ok(svc) = self.services().create(&PostParams::default(), &service(&name, |_| {})).await {
-                let _ = self.services().delete(&name, &DeleteParams::default()).await;
-                if svc.metadata.annotations.unwrap_or_default().contains_key("clusterip.allocator/reserved") {
-                    return;
-                }
+            match self.services().create(&dry, &probe).await {
+                Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(&format!("The range of valid IPs is {}", self.slice.v4())) => return,
+                Ok(_) => {}
+                Err(e) => panic!("probing the webhook registration: {e}"),
             }
-            assert!(Instant::now() < deadline, "webhook not called by the apiserver within 30s");
+            assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    fn in_dynamic_band(&self, ip: IpAddr) -> bool {
+        self.slice.in_dynamic_band(ip)
     }
 }
 
 impl Drop for Webhook {
     fn drop(&mut self) {
         for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.kill();
         }
         // Unregister and clean up from a fresh runtime (Drop cannot await).
         let (client, name) = (self.client.clone(), self.name.clone());
@@ -135,28 +170,32 @@ impl Drop for Webhook {
     }
 }
 
-/// Start one controller replica; returns it with its webhook and metrics ports.
-fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize) -> (Child, u16, u16) {
+/// Start one controller replica (it picks its own ports).
+fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice) -> Controller {
     let pki = cp.dir().join("pki");
-    let webhook_port = free_port();
-    let metrics_port = free_port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_clusterip"));
-    cmd.arg("controller")
-        .args(["--backend", backend, "--service-cidr", &format!("{OUR_V4},{OUR_V6}")])
-        .args(["--etcd-endpoints", &cp.etcd_endpoints().join(","), "--etcd-prefix", &format!("/clusterip-test/{name}")])
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig())
-        .args(["--webhook-bind-address", &format!("127.0.0.1:{webhook_port}")])
-        .args(["--metrics-bind-address", &format!("127.0.0.1:{metrics_port}")])
-        .args(["--leader-elect-namespace", "default", "--leader-elect-lease-name", name])
-        .args(["--leader-elect-identity", &format!("replica-{replica}")])
-        .arg("--tls-cert-file")
-        .arg(pki.join("webhook.crt"))
-        .arg("--tls-private-key-file")
-        .arg(pki.join("webhook.key"))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null());
-    (cmd.spawn().expect("start clusterip controller"), webhook_port, metrics_port)
+    let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
+    Controller::start([
+        "--backend",
+        backend,
+        "--service-cidr",
+        &format!("{},{}", slice.v4(), slice.v6()),
+        "--etcd-endpoints",
+        &cp.etcd_endpoints().join(","),
+        "--etcd-prefix",
+        &format!("/clusterip-test/{name}"),
+        "--kubeconfig",
+        &kubeconfig.display().to_string(),
+        "--leader-elect-namespace",
+        "default",
+        "--leader-elect-lease-name",
+        name,
+        "--leader-elect-identity",
+        &format!("replica-{replica}"),
+        "--tls-cert-file",
+        &crt.display().to_string(),
+        "--tls-private-key-file",
+        &key.display().to_string(),
+    ])
 }
 
 /// Forward each connection to the next replica that accepts it (TLS passes through).
@@ -180,23 +219,6 @@ async fn round_robin(listener: tokio::net::TcpListener, ports: Vec<u16>) {
     }
 }
 
-async fn wait_ready(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let _ = s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
-            let mut buf = Vec::new();
-            let _ = s.read_to_end(&mut buf).await;
-            if buf.starts_with(b"HTTP/1.1 200") {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "controller not ready within 60s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Service {
     let mut spec = ServiceSpec { ports: Some(vec![ServicePort { port: 80, ..Default::default() }]), ..Default::default() };
     f(&mut spec);
@@ -205,22 +227,6 @@ fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Service {
 
 fn ips(svc: &Service) -> Vec<IpAddr> {
     svc.spec.as_ref().and_then(|s| s.cluster_ips.clone()).unwrap_or_default().iter().map(|s| s.parse().expect("clusterIP")).collect()
-}
-
-fn in_our_dynamic_band(ip: IpAddr) -> bool {
-    match ip {
-        // 198.19.0.0/17: the static band is the first 256 usable addresses (198.19.0.1–198.19.1.0).
-        IpAddr::V4(v4) => {
-            let n = u32::from(v4);
-            n > u32::from(std::net::Ipv4Addr::new(198, 19, 1, 0)) && n < u32::from(std::net::Ipv4Addr::new(198, 19, 127, 255))
-        }
-        // fd00:10:96::/113: 32768 addresses, static band = the first 256 usable.
-        IpAddr::V6(v6) => {
-            let n = u128::from(v6);
-            let base = u128::from("fd00:10:96::".parse::<std::net::Ipv6Addr>().unwrap());
-            n > base + 256 && n <= base + 0x7fff
-        }
-    }
 }
 
 async fn expect_422(api: &Api<Service>, svc: &Service, contains: &str) {
@@ -233,19 +239,19 @@ async fn expect_422(api: &Api<Service>, svc: &Service, contains: &str) {
     }
 }
 
-async fn admission_cases(backend: &str) {
-    // Static addresses of our static band, one pair per backend: the two backends' cases run
-    // side by side against the same apiserver, where an address is cluster-wide.
-    let (st, dry_ip) = if backend == "etcd" { ("198.19.0.77", "198.19.0.88") } else { ("198.19.0.78", "198.19.0.89") };
+async fn admission_cases(backend: &str, slice: Slice) {
+    // Static addresses of the slice's static band.
+    let (st, dry_ip) = (slice.v4_static(77).to_string(), slice.v4_static(88).to_string());
+    let (st, dry_ip) = (st.as_str(), dry_ip.as_str());
     let cp = control_plane();
-    let wh = Webhook::start(&cp, backend).await;
+    let wh = Webhook::start(&cp, backend, slice).await;
     let api = wh.services();
 
     // Dynamic: from our dynamic band, patched in with families and policy.
     let svc = api.create(&PostParams::default(), &service("dynamic", |_| {})).await.expect("dynamic");
     let got = ips(&svc);
     assert_eq!(got.len(), 1);
-    assert!(in_our_dynamic_band(got[0]), "{} is not in our dynamic band", got[0]);
+    assert!(wh.in_dynamic_band(got[0]), "{} is not in our dynamic band", got[0]);
     let spec = svc.spec.clone().unwrap_or_default();
     assert_eq!(spec.ip_families, Some(vec!["IPv4".to_string()]));
     assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
@@ -263,7 +269,7 @@ async fn admission_cases(backend: &str) {
     expect_422(
         &api,
         &service("out", |s| s.cluster_ip = Some("198.19.200.5".into())),
-        "spec.clusterIPs: Invalid value: []string{\"198.19.200.5\"}: failed to allocate IP 198.19.200.5: the provided IP (198.19.200.5) is not in the valid range. The range of valid IPs is 198.19.0.0/17",
+        &format!("spec.clusterIPs: Invalid value: []string{{\"198.19.200.5\"}}: failed to allocate IP 198.19.200.5: the provided IP (198.19.200.5) is not in the valid range. The range of valid IPs is {}", slice.v4()),
     )
     .await;
     // Malformed: named.
@@ -291,7 +297,7 @@ async fn admission_cases(backend: &str) {
     let svc = api.replace("external", &PostParams::default(), &changed).await.expect("ExternalName to ClusterIP");
     let got = ips(&svc);
     assert_eq!(got.len(), 1, "{got:?}");
-    assert!(in_our_dynamic_band(got[0]), "{} is not in our dynamic band", got[0]);
+    assert!(wh.in_dynamic_band(got[0]), "{} is not in our dynamic band", got[0]);
 
     // Dual-stack: one address per family, both ours.
     let svc = api
@@ -300,7 +306,7 @@ async fn admission_cases(backend: &str) {
         .expect("dual-stack");
     let got = ips(&svc);
     assert_eq!(got.len(), 2, "{got:?}");
-    assert!(got.iter().all(|ip| in_our_dynamic_band(*ip)), "{got:?}");
+    assert!(got.iter().all(|ip| wh.in_dynamic_band(*ip)), "{got:?}");
     assert!(got[0].is_ipv4() && got[1].is_ipv6());
 
     // Dry-run reserves nothing: the same static address twice in dry-run both pass.
@@ -312,7 +318,7 @@ async fn admission_cases(backend: &str) {
     // Delete releases: the address of a deleted Service can be requested again once the
     // leader's Service reconciler has seen the delete.
     api.delete("static", &DeleteParams::default()).await.expect("delete");
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         match api.create(&PostParams::default(), &service("static-again", |s| s.cluster_ip = Some(st.into()))).await {
             Ok(svc) => {
@@ -320,7 +326,7 @@ async fn admission_cases(backend: &str) {
                 break;
             }
             Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("already allocated") => {
-                assert!(Instant::now() < deadline, "{st} not released within 30s of its Service's deletion");
+                assert!(Instant::now() < deadline, "{st} not released within 120s of its Service's deletion");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => panic!("unexpected error: {e}"),
@@ -328,11 +334,15 @@ async fn admission_cases(backend: &str) {
     }
 }
 
-async fn concurrent_creates(backend: &str, n: usize) {
+/// One burst at a time: the bursts' ranges are disjoint, but four 500-create bursts at once
+/// would measure the machine, not the webhook.
+static BURST: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn concurrent_creates(backend: &str, n: usize, slice: Slice) {
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
     // Two replicas behind a round-robin proxy, as the Deployment runs them.
-    let wh = Webhook::start_replicas(&cp, backend, 2).await;
+    let wh = Webhook::start_replicas(&cp, backend, 2, slice).await;
     let api = wh.services();
     let results = futures::future::join_all((0..n).map(|i| {
         let api = api.clone();
@@ -343,7 +353,7 @@ async fn concurrent_creates(backend: &str, n: usize) {
     for r in results {
         let svc = r.expect("every concurrent create succeeds");
         for ip in ips(&svc) {
-            assert!(in_our_dynamic_band(ip), "{ip} outside our dynamic band");
+            assert!(wh.in_dynamic_band(ip), "{ip} outside our dynamic band");
             assert!(seen.insert(ip), "{ip} assigned twice");
         }
     }
@@ -352,47 +362,47 @@ async fn concurrent_creates(backend: &str, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_admission() {
-    admission_cases("etcd").await;
+    admission_cases("etcd", Slice(1)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_500_concurrent_creates() {
-    concurrent_creates("etcd", 500).await;
+    concurrent_creates("etcd", 500, Slice(3)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_admission() {
-    admission_cases("ipaddress").await;
+    admission_cases("ipaddress", Slice(2)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_500_concurrent_creates() {
-    concurrent_creates("ipaddress", 500).await;
+    concurrent_creates("ipaddress", 500, Slice(4)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_leader_killed_during_a_burst() {
-    leader_killed_during_a_burst("etcd").await;
+    leader_killed_during_a_burst("etcd", Slice(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_leader_killed_during_a_burst() {
-    leader_killed_during_a_burst("ipaddress").await;
+    leader_killed_during_a_burst("ipaddress", Slice(6)).await;
 }
 
-async fn leader_killed_during_a_burst(backend: &str) {
+async fn leader_killed_during_a_burst(backend: &str, slice: Slice) {
     use k8s_openapi::api::coordination::v1::Lease;
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
-    let mut wh = Webhook::start_replicas(&cp, backend, 2).await;
+    let mut wh = Webhook::start_replicas(&cp, backend, 2, slice).await;
     let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
     let holder = |l: Option<Lease>| l.and_then(|l| l.spec).and_then(|s| s.holder_identity);
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(120);
     let leader = loop {
         if let Some(h) = holder(leases.get_opt(&wh.name).await.expect("read lease")) {
             break h;
         }
-        assert!(Instant::now() < deadline, "no leader elected within 30s");
+        assert!(Instant::now() < deadline, "no leader elected within 120s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let leader_index: usize = leader.trim_start_matches("replica-").parse().expect("replica identity");
@@ -424,7 +434,7 @@ async fn leader_killed_during_a_burst(backend: &str) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (ok_before, done_before) = (ok.load(std::sync::atomic::Ordering::SeqCst), done.load(std::sync::atomic::Ordering::SeqCst));
-    wh.children[leader_index].kill().expect("SIGKILL the leader");
+    wh.children[leader_index].kill();
     let results = burst.await.expect("burst task");
 
     let mut seen = BTreeSet::new();
@@ -451,9 +461,9 @@ async fn leader_killed_during_a_burst(backend: &str) {
 
     // The other replica takes the Lease over and serves.
     let survivor = format!("replica-{}", 1 - leader_index);
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(180);
     while holder(leases.get_opt(&wh.name).await.expect("read lease")).as_deref() != Some(survivor.as_str()) {
-        assert!(Instant::now() < deadline, "{survivor} did not take the Lease over within 60s");
+        assert!(Instant::now() < deadline, "{survivor} did not take the Lease over within 180s");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let after = api.create(&PostParams::default(), &service("after-failover", |_| {})).await.expect("create after failover");
@@ -470,7 +480,7 @@ async fn leader_killed_during_a_burst(backend: &str) {
     }
     let store = clusterip::store::etcd::EtcdStore::open(
         &clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() },
-        vec![clusterip::cidr::ServiceCidr::parse(OUR_V4).unwrap(), clusterip::cidr::ServiceCidr::parse(OUR_V6).unwrap()],
+        vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).unwrap(), clusterip::cidr::ServiceCidr::parse(&slice.v6()).unwrap()],
     )
     .await
     .expect("open the records");
@@ -484,7 +494,7 @@ async fn leader_killed_during_a_burst(backend: &str) {
 async fn servicecidr_finalizer_ready_and_terminating() {
     use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
     let cp = control_plane();
-    let wh = Webhook::start(&cp, "etcd").await;
+    let wh = Webhook::start(&cp, "etcd", Slice(7)).await;
     let cidrs: Api<ServiceCIDR> = Api::all(wh.client.clone());
     let addrs: Api<IPAddress> = Api::all(wh.client.clone());
     let name = unique_name("cidr");
@@ -537,18 +547,21 @@ async fn service_reconciler_records_reports_and_releases() {
     use clusterip::store::AllocationStore;
     use k8s_openapi::api::events::v1::Event;
     let cp = control_plane();
-    let wh = Webhook::start(&cp, "etcd").await;
+    let slice = Slice(8);
+    let wh = Webhook::start(&cp, "etcd", slice).await;
     let api: Api<Service> = Api::namespaced(wh.client.clone(), "default");
     let name = unique_name("unrecorded");
-    let ip: IpAddr = "198.19.0.123".parse().unwrap();
+    let ip = slice.v4_static(123);
+    free_leftover(&wh.client, ip, "unrecorded-").await;
+    let _cleanup = DeleteOnDrop(api.clone(), name.clone());
     api.create(&PostParams::default(), &service(&name, |s| s.cluster_ip = Some(ip.to_string()))).await.expect("create outside the webhook's namespaces");
     let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
-    let store = EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(OUR_V4).unwrap(), clusterip::cidr::ServiceCidr::parse(OUR_V6).unwrap()])
+    let store = EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).unwrap(), clusterip::cidr::ServiceCidr::parse(&slice.v6()).unwrap()])
         .await
         .expect("open the controller's records");
     let events: Api<Event> = Api::namespaced(wh.client.clone(), "default");
     let want = format!("Cluster IP [IPv4]: {ip} is not allocated; repairing");
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let recorded = store.has(ip).await.unwrap_or(false);
         let listed = events.list(&ListParams::default()).await.expect("list events");
@@ -561,13 +574,46 @@ async fn service_reconciler_records_reports_and_releases() {
         if recorded && reported {
             break;
         }
-        assert!(Instant::now() < deadline, "within 30s: recorded={recorded}, event reported={reported}");
+        assert!(Instant::now() < deadline, "within 120s: recorded={recorded}, event reported={reported}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     api.delete(&name, &DeleteParams::default()).await.expect("delete");
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(120);
     while store.has(ip).await.unwrap_or(true) {
-        assert!(Instant::now() < deadline, "{ip} still recorded 30s after its Service was deleted");
+        assert!(Instant::now() < deadline, "{ip} still recorded 120s after its Service was deleted");
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Deletes the Service (namespace, name) when dropped: a failed test leaves no address held.
+struct DeleteOnDrop(Api<Service>, String);
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        let (api, name) = (self.0.clone(), self.1.clone());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                let _ = api.delete(&name, &DeleteParams::default()).await;
+            });
+        })
+        .join();
+    }
+}
+
+/// `ip` free in the apiserver before a test takes it statically: a Service named
+/// `<prefix>…` holding it (an earlier run of the same test that died before cleaning up) is
+/// deleted; anyone else holding it fails the test with who it is.
+async fn free_leftover(client: &Client, ip: IpAddr, prefix: &str) {
+    use k8s_openapi::api::networking::v1::IPAddress;
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(rec) = addrs.get_opt(&ip.to_string()).await.expect("read IPAddress") {
+        let p = rec.spec.parent_ref;
+        let ns = p.namespace.unwrap_or_default();
+        assert!(p.resource == "services" && p.name.starts_with(prefix), "{ip} is held by {}/{ns}/{}", p.resource, p.name);
+        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
+        assert!(Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

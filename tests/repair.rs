@@ -5,8 +5,12 @@
 //! Service addresses must be valid for the apiserver (its 198.19.0.0/16 and
 //! fd00:10:96::/112), so each test takes a /28 and a /124 from the apiserver's *static* band
 //! (198.19.0.1–198.19.1.0, fd00:10:96::1–::100), which its own dynamic allocation never uses
-//! while the upper band has room, and which no other test uses. Records-only tests use
+//! while the upper band has room, and which no other test uses (198.19.0.192/28 and
+//! 198.19.0.208/28 for the etcd drift tests, .244 and .250 for single addresses; the
+//! tests of this file run side by side, so no two share one). Records-only tests use
 //! 198.18.160.0/20 and fd00:18:164::/112. Each test has its own namespace and etcd prefix and removes them.
+
+mod controller_common;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -18,6 +22,7 @@ use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
 use clusterip::store::{AllocationStore, ParentRef};
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use controller_common::Controller;
 use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -42,8 +47,13 @@ impl Ns {
         Api::namespaced(self.client.clone(), &self.name)
     }
 
-    /// A ClusterIP Service with the given addresses (dual-stack when two are given).
+    /// A ClusterIP Service with the given addresses (dual-stack when two are given). An
+    /// address still held by a Service of an earlier run's namespace (a run killed before
+    /// its clean-up, against a reused cluster) is freed first.
     async fn service(&self, name: &str, ips: &[&str]) -> Service {
+        for addr in ips {
+            free_leftover(&self.client, addr).await;
+        }
         let mut spec = json!({"ports": [{"port": 80}], "clusterIP": ips[0], "clusterIPs": ips});
         if ips.len() == 2 {
             spec["ipFamilyPolicy"] = json!("RequireDualStack");
@@ -51,6 +61,21 @@ impl Ns {
         }
         let svc: Service = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).expect("service");
         self.services().create(&PostParams::default(), &svc).await.unwrap_or_else(|e| panic!("create Service {name} {ips:?}: {e}"))
+    }
+}
+
+/// Delete the Service holding `addr` if it lives in a namespace of this file's tests
+/// (`repair-…`); anyone else holding it fails the test with who it is.
+async fn free_leftover(client: &kube::Client, addr: &str) {
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(rec) = addrs.get_opt(addr).await.expect("read IPAddress") {
+        let p = rec.spec.parent_ref;
+        let ns = p.namespace.unwrap_or_default();
+        assert!(p.resource == "services" && ns.starts_with("repair-"), "{addr} is held by {}/{ns}/{}, not by an earlier run of this file", p.resource, p.name);
+        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
+        assert!(Instant::now() < deadline, "{addr} still held 60s after deleting the leftover {ns}/{}", p.name);
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -223,10 +248,10 @@ async fn etcd_backend_drift_is_reported_then_fixed() {
     assert_eq!(fixed.finding("missing-record", "fd00:10:96::c2")["result"], "applied");
     assert_eq!(fixed.finding("leak", "198.19.0.200")["result"], "not-applied");
     assert_eq!(fixed.json["remaining"], 2);
-    eventually(10, "the missing records recorded", || async { store.has(ip("198.19.0.194")).await.unwrap_or(false) && store.has(ip("fd00:10:96::c2")).await.unwrap_or(false) }).await;
+    eventually(120, "the missing records recorded", || async { store.has(ip("198.19.0.194")).await.unwrap_or(false) && store.has(ip("fd00:10:96::c2")).await.unwrap_or(false) }).await;
     assert!(store.has(ip("198.19.0.200")).await.expect("has"), "a leak seen once must not be released");
     let client = cp.client().await;
-    eventually(20, "ClusterIPNotAllocated Event on the Service", || async {
+    eventually(120, "ClusterIPNotAllocated Event on the Service", || async {
         // (kube's Recorder folds repeats of one reason on one object into a series: the
         // first note is the one kept.)
         warning_reasons(&client, &ns.name, "unrecorded").await.iter().any(|(r, m)| {
@@ -240,7 +265,7 @@ async fn etcd_backend_drift_is_reported_then_fixed() {
     let now = repair(&[args.clone(), strs(&["--fix", "--release-leaks-now"])].concat()).await;
     assert_eq!(now.code, 0, "{:#}", now.json);
     assert_eq!(now.rows(), set(&[("leak", "198.19.0.200"), ("leak", "fd00:10:96::c9")]));
-    eventually(10, "the leaks released", || async { !store.has(ip("198.19.0.200")).await.unwrap_or(true) && !store.has(ip("fd00:10:96::c9")).await.unwrap_or(true) }).await;
+    eventually(120, "the leaks released", || async { !store.has(ip("198.19.0.200")).await.unwrap_or(true) && !store.has(ip("fd00:10:96::c9")).await.unwrap_or(true) }).await;
     let clean = repair(&args).await;
     assert_eq!(clean.code, 0, "{:#}", clean.json);
     assert!(clean.findings().is_empty());
@@ -268,7 +293,7 @@ async fn etcd_leak_is_released_on_the_third_pass_and_not_before() {
     assert_eq!(r.report.findings.len(), 1);
     assert_eq!(r.report.findings[0].action, Action::Release);
     assert_eq!(r.remaining(), 0);
-    eventually(10, "the leak released on the 3rd pass", || async { !store.has(ip("198.18.160.77")).await.unwrap_or(true) }).await;
+    eventually(120, "the leak released on the 3rd pass", || async { !store.has(ip("198.18.160.77")).await.unwrap_or(true) }).await;
     let r = repairer.run_once(true, false, None).await.expect("pass 4");
     assert!(r.report.findings.is_empty(), "{:#?}", r.report.findings);
     drop(repairer);
@@ -287,7 +312,7 @@ async fn ipaddress_backend_drift_is_reported_then_fixed() {
     let client = cp.client().await;
     // The apiserver records this Service's address itself (managed by ipallocator.k8s.io):
     // read as the record, never changed.
-    ns.service("web", &["198.19.0.209"]).await;
+    ns.service("web", &["198.19.0.244"]).await;
     let store = IpAddressStore::open(client.clone(), IpAddressConfig { ranges: cidrs.clone(), ..Default::default() }).await.expect("open IPAddress store");
     // A leak: ours, for a Service that does not exist.
     store.allocate(ip("198.18.164.15"), Some(&ParentRef::service(&ns.name, "gone"))).await.expect("seed leak");
@@ -317,12 +342,12 @@ async fn ipaddress_backend_drift_is_reported_then_fixed() {
     assert!(ipaddrs.get_opt("fd00:18:164::da").await.expect("get").is_none());
     assert!(ipaddrs.get_opt("198.18.164.15").await.expect("get").is_some(), "a leak inside its grace period must stay");
     // The apiserver's own record of web is untouched.
-    let theirs = ipaddrs.get("198.19.0.209").await.expect("the apiserver's record");
+    let theirs = ipaddrs.get("198.19.0.244").await.expect("the apiserver's record");
     assert_eq!(theirs.metadata.labels.unwrap_or_default().get("ipaddress.kubernetes.io/managed-by").map(String::as_str), Some("ipallocator.k8s.io"));
 
     // With a 0s grace the (now older) leak is released, and the next dry run is clean.
     let grace0 = [args.clone(), strs(&["--fix", "--grace-period", "0s"])].concat();
-    eventually(10, "the leak released once older than the grace period", || async {
+    eventually(120, "the leak released once older than the grace period", || async {
         let r = repair(&grace0).await;
         r.code == 0
     })
@@ -345,7 +370,7 @@ async fn audit_reports_the_apiservers_orphans_and_changes_nothing() {
     .expect("ipaddress");
     let api: Api<IPAddress> = Api::all(client.clone());
     let _ = api.delete("198.19.0.250", &DeleteParams::default()).await;
-    eventually(10, "a leftover 198.19.0.250 deleted", || async { api.get_opt("198.19.0.250").await.ok().flatten().is_none() }).await;
+    eventually(120, "a leftover 198.19.0.250 deleted", || async { api.get_opt("198.19.0.250").await.ok().flatten().is_none() }).await;
     api.create(&PostParams::default(), &obj).await.expect("seed the apiserver's orphan");
 
     let audit = repair(&strs(&["--audit-apiserver", "--kubeconfig", &cp.kubeconfig().display().to_string()])).await;
@@ -422,33 +447,38 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
     let fx = EtcdFixture::new(&cp, &["198.18.163.0/24"]);
     let store = fx.open().await;
     store.allocate(ip("198.18.163.5"), None).await.expect("seed leak");
-    let free_port = || std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
-    let (webhook_port, metrics_port) = (free_port(), free_port());
     let lease = unique_name("repair-loop");
     let pki = cp.dir().join("pki");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
-        .arg("controller")
-        .args(["--backend", "etcd", "--service-cidr", "198.18.163.0/24"])
-        .args(["--etcd-endpoints", &cp.etcd_endpoints().join(","), "--etcd-prefix", &fx.cfg.prefix])
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig())
-        .args(["--webhook-bind-address", &format!("127.0.0.1:{webhook_port}")])
-        .args(["--metrics-bind-address", &format!("127.0.0.1:{metrics_port}")])
-        .args(["--leader-elect-namespace", "default", "--leader-elect-lease-name", &lease])
-        .args(["--repair-interval", "3s"])
-        .arg("--tls-cert-file")
-        .arg(pki.join("webhook.crt"))
-        .arg("--tls-private-key-file")
-        .arg(pki.join("webhook.key"))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("start clusterip controller");
+    let (etcd, kubeconfig) = (cp.etcd_endpoints().join(","), cp.kubeconfig().display().to_string());
+    let (crt, key) = (pki.join("webhook.crt").display().to_string(), pki.join("webhook.key").display().to_string());
+    let mut child = Controller::start([
+        "--backend",
+        "etcd",
+        "--service-cidr",
+        "198.18.163.0/24",
+        "--etcd-endpoints",
+        &etcd,
+        "--etcd-prefix",
+        &fx.cfg.prefix,
+        "--kubeconfig",
+        &kubeconfig,
+        "--leader-elect-namespace",
+        "default",
+        "--leader-elect-lease-name",
+        &lease,
+        "--repair-interval",
+        "3s",
+        "--tls-cert-file",
+        &crt,
+        "--tls-private-key-file",
+        &key,
+    ]);
+    let metrics_port = child.metrics_port;
     let leak_series = "clusterip_repair_ip_errors_total{type=\"leak\"}";
     // The first pass (at start) sees the leak and keeps it.
     let mut held_after_a_pass = false;
     let mut released_at = None;
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(180);
     while Instant::now() < deadline {
         let held = store.has(ip("198.18.163.5")).await.expect("has");
         let seen = metric(&scrape(metrics_port).await, leak_series).unwrap_or(0.0);
@@ -462,10 +492,9 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let text = scrape(metrics_port).await;
-    let _ = child.kill();
-    let _ = child.wait();
+    child.kill();
     assert!(held_after_a_pass, "the leak was released by the first pass");
-    let seen = released_at.expect("the controller's repair loop did not release the leak within 60s");
+    let seen = released_at.expect("the controller's repair loop did not release the leak within 180s");
     assert!(seen >= 3.0, "released after {seen} pass(es) saw it leaked; want the 3rd");
     assert_eq!(metric(&text, "clusterip_repair_reconcile_errors_total"), Some(0.0), "{text}");
     let _ = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(cp.client().await, "default").delete(&lease, &DeleteParams::default()).await;
@@ -503,7 +532,7 @@ async fn etcd_backend_reports_drift_the_apiserver_would_refuse() {
         etcd.put(key.as_str(), value.as_str(), None).await.expect("write a Service into the apiserver's etcd");
     }
     let services = ns.services();
-    eventually(20, "the apiserver serves the injected Services", || async {
+    eventually(120, "the apiserver serves the injected Services", || async {
         services.list(&ListParams::default()).await.map(|l| l.items.len() == 4).unwrap_or(false)
     })
     .await;
@@ -529,7 +558,7 @@ async fn etcd_backend_reports_drift_the_apiserver_would_refuse() {
     assert!(store.has(ip("198.19.0.209")).await.expect("has"));
     let client = cp.client().await;
     for (name, reason) in [("second", "ClusterIPAlreadyAllocated"), ("outside", "ClusterIPOutOfRange"), ("malformed", "ClusterIPNotValid")] {
-        eventually(20, &format!("{reason} Event on {name}"), || async { warning_reasons(&client, &ns.name, name).await.iter().any(|(r, _)| r == reason) }).await;
+        eventually(120, &format!("{reason} Event on {name}"), || async { warning_reasons(&client, &ns.name, name).await.iter().any(|(r, _)| r == reason) }).await;
     }
     for (key, _) in &injected {
         let _ = etcd.delete(key.as_str(), None).await;

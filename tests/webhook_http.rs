@@ -2,53 +2,42 @@
 //! clear 400 and leave the server serving, a rotated serving certificate is picked up
 //! without a restart, and /metrics, /healthz, /readyz answer with Kubernetes-style names.
 
-use std::net::TcpListener;
+mod controller_common;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
-}
-
-struct Controller {
-    child: Child,
-    webhook: u16,
-    metrics: u16,
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use controller_common::Controller;
 
 fn start(cp: &ControlPlane, cert: &Path, key: &Path) -> Controller {
-    let (webhook, metrics) = (free_port(), free_port());
     let name = unique_name("http");
-    let child = Command::new(env!("CARGO_BIN_EXE_clusterip"))
-        .arg("controller")
-        .args(["--backend", "etcd", "--service-cidr", "198.18.200.0/24"])
-        .args(["--etcd-endpoints", &cp.etcd_endpoints().join(","), "--etcd-prefix", &format!("/clusterip-test/{name}")])
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig())
-        .args(["--webhook-bind-address", &format!("127.0.0.1:{webhook}"), "--metrics-bind-address", &format!("127.0.0.1:{metrics}")])
-        .args(["--leader-elect-namespace", "default", "--leader-elect-lease-name", &name])
-        .arg("--tls-cert-file")
-        .arg(cert)
-        .arg("--tls-private-key-file")
-        .arg(key)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start the controller");
-    let c = Controller { child, webhook, metrics };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while http_get(c.metrics, "/readyz").0 != 200 {
-        assert!(Instant::now() < deadline, "controller not ready within 60s");
+    let (etcd, prefix, kubeconfig) = (cp.etcd_endpoints().join(","), format!("/clusterip-test/{name}"), cp.kubeconfig().display().to_string());
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let c = Controller::start([
+        "--backend",
+        "etcd",
+        "--service-cidr",
+        "198.18.200.0/24",
+        "--etcd-endpoints",
+        &etcd,
+        "--etcd-prefix",
+        &prefix,
+        "--kubeconfig",
+        &kubeconfig,
+        "--leader-elect-namespace",
+        "default",
+        "--leader-elect-lease-name",
+        &name,
+        "--tls-cert-file",
+        &cert,
+        "--tls-private-key-file",
+        &key,
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while http_get(c.metrics_port, "/readyz").0 != 200 {
+        assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", c.log());
         std::thread::sleep(Duration::from_millis(100));
     }
     c
@@ -147,7 +136,7 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
         for path in ["/mutate", "/validate"] {
             // The oversized body over HTTP/1.1: over HTTP/2 the early 400 is followed by a
             // stream reset (the body is never read), which curl reports as a failed transfer.
-            let (code, text) = post(c.webhook, &ca, path, &file, what == "oversized");
+            let (code, text) = post(c.webhook_port, &ca, path, &file, what == "oversized");
             assert_eq!(code, 400, "{what} on {path}: {text}");
             assert!(text.contains(says), "{what} on {path}: {text:?} lacks {says:?}");
         }
@@ -168,22 +157,22 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
     };
     let file = dir.path().join("review");
     std::fs::write(&file, review("u1", serde_json::json!({"ports": [{"port": 80}]})).to_string()).expect("write");
-    let (code, text) = post(c.webhook, &ca, "/mutate", &file, false);
+    let (code, text) = post(c.webhook_port, &ca, "/mutate", &file, false);
     assert_eq!(code, 200, "{text}");
     let answer: serde_json::Value = serde_json::from_str(&text).expect("AdmissionReview answer");
     assert_eq!(answer["response"]["uid"], "u1");
     assert_eq!(answer["response"]["allowed"], true, "{text}");
     assert_eq!(answer["response"]["patchType"], "JSONPatch", "{text}");
     std::fs::write(&file, review("u2", serde_json::json!({"clusterIP": "198.18.99.9", "ports": [{"port": 80}]})).to_string()).expect("write");
-    let (code, text) = post(c.webhook, &ca, "/mutate", &file, false);
+    let (code, text) = post(c.webhook_port, &ca, "/mutate", &file, false);
     assert_eq!(code, 200, "{text}");
     let answer: serde_json::Value = serde_json::from_str(&text).expect("AdmissionReview answer");
     assert_eq!(answer["response"]["allowed"], false, "{text}");
     assert_eq!(answer["response"]["status"]["code"], 422, "{text}");
     assert!(answer["response"]["status"]["message"].as_str().unwrap_or("").contains("The range of valid IPs is 198.18.200.0/24"), "{text}");
 
-    assert_eq!(http_get(c.metrics, "/healthz"), (200, "ok".to_string()));
-    let (code, metrics) = http_get(c.metrics, "/metrics");
+    assert_eq!(http_get(c.metrics_port, "/healthz"), (200, "ok".to_string()));
+    let (code, metrics) = http_get(c.metrics_port, "/metrics");
     assert_eq!(code, 200);
     assert!(metrics.contains("clusterip_webhook_bad_requests_total{operation=\"mutate\"} 5"), "{metrics}");
     for name in [
@@ -208,7 +197,7 @@ fn a_rotated_serving_certificate_is_served_without_a_restart() {
     std::fs::copy(&first_crt, &crt).expect("copy");
     std::fs::copy(&first_key, &key).expect("copy");
     let c = start(&cp, &crt, &key);
-    assert_eq!(served_fingerprint(c.webhook), file_fingerprint(&first_crt));
+    assert_eq!(served_fingerprint(c.webhook_port), file_fingerprint(&first_crt));
 
     let (second_crt, second_key) = issue_cert(&pki, dir.path(), "second");
     assert_ne!(file_fingerprint(&first_crt), file_fingerprint(&second_crt));
@@ -220,7 +209,7 @@ fn a_rotated_serving_certificate_is_served_without_a_restart() {
     let want = file_fingerprint(&second_crt);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let got = served_fingerprint(c.webhook);
+        let got = served_fingerprint(c.webhook_port);
         if got == want {
             break;
         }

@@ -35,7 +35,8 @@ pub struct ControllerArgs {
     #[arg(long, default_value_t = 1024, value_parser = parse_pool)]
     pub etcd_address_pool: usize,
 
-    /// Address of the HTTPS admission webhook (POST /mutate, POST /validate).
+    /// Address of the HTTPS admission webhook (POST /mutate, POST /validate). Port 0 picks
+    /// a free port; the "clusterip controller started" log line names the one bound.
     #[arg(long, default_value = "0.0.0.0:9443")]
     pub webhook_bind_address: SocketAddr,
 
@@ -47,7 +48,8 @@ pub struct ControllerArgs {
     #[arg(long, env = "CLUSTERIP_TLS_PRIVATE_KEY_FILE")]
     pub tls_private_key_file: PathBuf,
 
-    /// Address of the plain-HTTP endpoint for /metrics, /healthz and /readyz.
+    /// Address of the plain-HTTP endpoint for /metrics, /healthz and /readyz (port 0: as
+    /// for --webhook-bind-address).
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub metrics_bind_address: SocketAddr,
 
@@ -147,7 +149,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let metrics_listener = TcpListener::bind(args.metrics_bind_address)
         .await
         .with_context(|| format!("binding metrics to {}", args.metrics_bind_address))?;
-    info!(backend = ?args.backend.backend, ranges = %ranges.join(","), "clusterip controller started");
+    // (Port 0 picks a free port; this line names the ones bound.)
+    let webhook_addr = webhook.local_addr().context("the webhook's bound address")?;
+    let metrics_addr = metrics_listener.local_addr().context("the metrics endpoint's bound address")?;
+    info!(backend = ?args.backend.backend, ranges = %ranges.join(","), webhook = %webhook_addr, metrics = %metrics_addr, "clusterip controller started");
 
     let web = server::serve_on_own_thread(webhook, tls, admission, metrics.clone()).context("starting the webhook thread")?;
     let events = ServiceEvents::new(client.clone(), Some(identity.clone()));

@@ -41,8 +41,6 @@ pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
 pub const DEFAULT_MANAGER: &str = "clusterip.allocator";
 /// The kube-apiserver's value of the managed-by label.
 pub const KUBE_APISERVER_MANAGER: &str = "ipallocator.k8s.io";
-/// Candidates tried after `AlreadyExists` before a dynamic allocation gives up.
-pub const MAX_COLLISIONS: usize = 64;
 
 /// How the IPAddress backend finds its ranges and names itself.
 #[derive(Clone, Debug)]
@@ -351,13 +349,12 @@ impl AllocationStore for IpAddressStore {
             if self.create(candidate, parent).await? {
                 return Ok(candidate);
             }
+            // Taken by another writer our view had not shown yet. The candidate stays marked
+            // in our map, so the next one differs; as Kubernetes' allocator does, every
+            // address the view shows free is tried before the range counts as full (a fixed
+            // cap would refuse allocations only because a busy machine's watch lags).
             collisions += 1;
             debug!(ip = %candidate, collisions, "IPAddress already exists; trying the next candidate");
-            if collisions >= MAX_COLLISIONS {
-                return Err(StoreError::Unavailable(format!(
-                    "{collisions} candidate addresses were taken by other writers in a row; try again"
-                )));
-            }
         }
     }
 

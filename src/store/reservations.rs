@@ -67,8 +67,6 @@ pub const PARENT_ANNOTATION: &str = "clusterip.allocator/parent";
 pub const RESERVATION_TTL: Duration = Duration::from_secs(120);
 /// How often reservations are swept and the local candidate maps rebuilt.
 const REFRESH: Duration = Duration::from_secs(5);
-/// Candidates tried per request before giving up.
-const MAX_ATTEMPTS: usize = 64;
 
 /// The Lease name of an address: `clusterip-` and the address bytes in hex (always a valid
 /// object name, whatever the family).
@@ -404,7 +402,9 @@ impl AllocationStore for LeaseReservations {
 
     async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
         let ranges = self.ranges.of_family(family)?;
-        for _ in 0..MAX_ATTEMPTS {
+        // Every candidate stays marked in our map once tried, so this ends: with an address,
+        // or Full once every address the view shows free was taken by someone else.
+        loop {
             // The first range of the family with room, as Kubernetes' MetaAllocator does.
             let candidate = {
                 let mut maps = lock(&self.taken);
@@ -421,7 +421,6 @@ impl AllocationStore for LeaseReservations {
             }
             debug!(%ip, "address reserved by another admission; trying the next");
         }
-        Err(StoreError::Unavailable(format!("{MAX_ATTEMPTS} candidates in a row were taken; retry")))
     }
 
     /// Ends this replica's own reservation of `ip` (an admission rolling back). A release

@@ -134,7 +134,7 @@ pub struct Run {
 pub fn spawn_allocators(fx: &Fixture, procs: usize, count: usize, concurrency: usize, extra: &[&str]) -> Vec<Child> {
     (0..procs)
         .map(|i| {
-            Command::new(env!("CARGO_BIN_EXE_clusterip"))
+            clusterip_test_support::die_with_parent(&mut Command::new(env!("CARGO_BIN_EXE_clusterip")))
                 .arg("allocate")
                 .args(fx.backend_args())
                 .args(["--count", &count.to_string(), "--concurrency", &concurrency.to_string()])

@@ -1,0 +1,110 @@
+//! A `clusterip controller` process for integration tests (included with `mod
+//! controller_common;`).
+//!
+//! The controller binds port 0 for its webhook and metrics endpoints and the test reads the
+//! ports it got from its "clusterip controller started" log line: no port is picked by the
+//! test, so no other process can take one between a test's choice and the controller's bind.
+//! The process dies with the test (PR_SET_PDEATHSIG) and is killed when dropped.
+
+#![allow(dead_code)]
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clusterip_test_support::{die_with_parent, owned_temp_dir};
+
+/// What the controller logs once it has bound its ports.
+const STARTED: &str = "clusterip controller started";
+
+pub struct Controller {
+    child: Child,
+    pub webhook_port: u16,
+    pub metrics_port: u16,
+    dir: PathBuf,
+}
+
+impl Controller {
+    /// `clusterip controller` with `args` (everything but the two bind addresses, which are
+    /// 127.0.0.1:0), once it has bound its ports (not yet ready: see [`wait_ready`]).
+    pub fn start<I, S>(args: I) -> Controller
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let dir = owned_temp_dir("controller");
+        std::fs::create_dir_all(&dir).expect("controller log directory");
+        let log = dir.join("controller.log");
+        let file = std::fs::File::create(&log).expect("controller log file");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_clusterip"));
+        cmd.arg("controller")
+            .args(args)
+            .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn,clusterip::cli::controller=info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(file);
+        let child = die_with_parent(&mut cmd).spawn().expect("start clusterip controller");
+        let mut c = Controller { child, webhook_port: 0, metrics_port: 0, dir };
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let text = c.log();
+            if let Some(line) = text.lines().find(|l| l.contains(STARTED)) {
+                c.webhook_port = port_of(line, "webhook=");
+                c.metrics_port = port_of(line, "metrics=");
+                return c;
+            }
+            if let Ok(Some(status)) = c.child.try_wait() {
+                panic!("the controller exited ({status}) before it started:\n{text}");
+            }
+            assert!(Instant::now() < deadline, "the controller did not start within 180s:\n{text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// What the controller logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("controller.log")).unwrap_or_default()
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Wait until GET /readyz on the metrics port answers 200.
+    pub async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).await {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let _ = s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+                let mut buf = Vec::new();
+                let _ = s.read_to_end(&mut buf).await;
+                if buf.starts_with(b"HTTP/1.1 200") {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The port of `key=<ip>:<port>` in a log line.
+fn port_of(line: &str, key: &str) -> u16 {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key))
+        .and_then(|addr| addr.rsplit_once(':'))
+        .and_then(|(_, port)| port.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in the controller's start-up line: {line}"))
+}

@@ -11,25 +11,25 @@
 #
 # Prints: RESULT <workload> ours_ns_per_op=<x> kubernetes_ns_per_op=<y> ratio=<y/x>
 #         RESULT worst_ratio=<min ratio>
+#
+# Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
+# a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
+# BENCH_MEM_MIB, default 4096), and whatever is still running at the end is killed.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-# shellcheck source=versions.env
-. scripts/versions.env
-cache_root=${CLUSTERIP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/clusterip}
-k8s_dir="$cache_root/kubernetes-v$K8S_VERSION"
-export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
+# shellcheck source=lib/run.sh
+. scripts/lib/run.sh
+run_capped "${BENCH_MEM_MIB:-4096}" "$@"
+run_begin bench-allocator
+trap run_end EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
-# Kubernetes' side: build the Go program inside the harness's wrapper module (created on
-# first use by build-go-binaries.sh; it pins every k8s.io staging module).
-scripts/lib/build-go-binaries.sh k8s-module >/dev/null
-gobench="$k8s_dir/bin/ipallocbench"
-if [ ! -x "$gobench" ] || [ benches/k8s-ipallocator/main.go -nt "$gobench" ]; then
-  mkdir -p "$k8s_dir/src/cmd/ipallocbench" "$k8s_dir/bin"
-  cp benches/k8s-ipallocator/main.go "$k8s_dir/src/cmd/ipallocbench/main.go"
-  echo "bench-allocator: building Kubernetes' ipallocator benchmark (v$K8S_VERSION)" >&2
-  (cd "$k8s_dir/src" && go build -trimpath -o "$gobench" ./cmd/ipallocbench)
-fi
+# Kubernetes' side: the Go program built inside the harness's wrapper module (it pins every
+# k8s.io staging module), under the cache's build lock (build-go-binaries.sh).
+scripts/lib/build-go-binaries.sh ipallocbench
+gobench="$(scripts/lib/build-go-binaries.sh print-dirs | sed -n 's/^K8S_BIN=//p')/ipallocbench"
 
 echo "bench-allocator: Kubernetes' bitmap allocator" >&2
 k8s_out=$("$gobench")

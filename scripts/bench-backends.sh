@@ -5,20 +5,31 @@
 #   objects through the real kube-apiserver.
 # Each run is one `clusterip allocate` process with C concurrent callers.
 #
-#   scripts/bench-backends.sh            # COUNT=2000 allocations per run
+#   scripts/bench-backends.sh            # COUNT=2000 allocations per run (minutes)
 #   COUNT=500 scripts/bench-backends.sh
+#
+# Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
+# a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
+# BENCH_MEM_MIB, default 4096), and whatever is still running at the end is killed.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 COUNT=${COUNT:-2000}
+# shellcheck source=lib/run.sh
+. scripts/lib/run.sh
+run_capped "${BENCH_MEM_MIB:-4096}" "$@"
+run_begin bench-backends
 
 export CLUSTERIP_CLUSTER_DIR
-CLUSTERIP_CLUSTER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-bench.XXXXXX")
-trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"' EXIT INT TERM
+CLUSTERIP_CLUSTER_DIR=$(owned_tmpdir bench)
+trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"; run_end' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 cargo build --release --quiet --bin clusterip
 bin=$repo/target/release/clusterip
 CLUSTERIP_CONTROLLER=0 scripts/dev-cluster.sh up >/dev/null
+# shellcheck source=/dev/null
 . "$CLUSTERIP_CLUSTER_DIR/env"
 
 run=0
@@ -37,7 +48,6 @@ measure() {
 
 etcd=(--backend etcd --etcd-endpoints "$CLUSTERIP_ETCD_ENDPOINTS")
 ipaddr=(--backend ipaddress --kubeconfig "$KUBECONFIG")
-worst=""
 for c in 1 8 64; do
   group=$(measure "$c" "${etcd[@]}" --etcd-prefix "/bench/group-$c")
   single=$(measure "$c" "${etcd[@]}" --etcd-prefix "/bench/single-$c" --etcd-max-batch 1)

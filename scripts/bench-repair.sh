@@ -17,24 +17,37 @@
 #      over COUNT synthetic Services fed as list pages of JSON, with VmHWM.
 # Every pass must find its cluster consistent (exit 0).
 #
-#   scripts/bench-repair.sh                  # COUNT=50000 REAL=2000 RUNS=3
+#   scripts/bench-repair.sh                              # COUNT=10000 REAL=1000 RUNS=3 (minutes)
+#   COUNT=50000 REAL=2000 scripts/bench-repair.sh        # the documented 50k run (~15 min;
+#                                                        # BENCH_MEM_MIB=8192 to be safe)
+#
+# Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
+# a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
+# BENCH_MEM_MIB, default 6144), and whatever is still running at the end is killed.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-COUNT=${COUNT:-50000}
-REAL=${REAL:-2000}
+COUNT=${COUNT:-10000}
+REAL=${REAL:-1000}
 RUNS=${RUNS:-3}
 CIDR=198.18.0.0/16
 target=${CARGO_TARGET_DIR:-$repo/target}
+# shellcheck source=lib/run.sh
+. scripts/lib/run.sh
+run_capped "${BENCH_MEM_MIB:-6144}" "$@"
+run_begin bench-repair
 
 export CLUSTERIP_CLUSTER_DIR
-CLUSTERIP_CLUSTER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-bench-repair.XXXXXX")
-trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"' EXIT INT TERM
+CLUSTERIP_CLUSTER_DIR=$(owned_tmpdir bench-repair)
+trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"; run_end' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 cargo build --release --quiet --bin clusterip --example bench_repair
 bin=$target/release/clusterip
 helper=$target/release/examples/bench_repair
 CLUSTERIP_CONTROLLER=0 CLUSTERIP_APISERVER_SERVICE_CIDRS=$CIDR scripts/dev-cluster.sh up >/dev/null
+# shellcheck source=/dev/null
 . "$CLUSTERIP_CLUSTER_DIR/env"
 
 # One timed `clusterip repair` dry run against the etcd prefix $1; fails unless consistent.
@@ -60,7 +73,7 @@ for i in $(seq "$RUNS"); do pass /clusterip-bench/real "real creates run $i"; do
 echo "== 2. real list: $COUNT more Services injected into the apiserver's etcd"
 "$helper" inject "$CLUSTERIP_ETCD_ENDPOINTS" /clusterip-bench/real "$CIDR" "$COUNT" $((REAL + 1))
 # The apiserver's own repair creates an IPAddress per injected Service: measure once it is
-# done, so its work does not compete with the pass for the 2 cores.
+# done, so its work does not compete with the pass for the 2 cores (deadline 15 min).
 deadline=$((SECONDS + 900))
 while :; do
   n=$(scripts/kubectl.sh get ipaddresses --no-headers 2>/dev/null | wc -l)

@@ -9,19 +9,31 @@
 # Prints the webhook's own answer latency (p50/p99 from its histograms: from the body in
 # hand, and from the request's headers) and the ratio of end-to-end create latency with and
 # without it.
+#
+# Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
+# a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
+# BENCH_MEM_MIB, default 4096), and whatever is still running at the end is killed.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 COUNT=${COUNT:-500}
+# shellcheck source=lib/run.sh
+. scripts/lib/run.sh
+run_capped "${BENCH_MEM_MIB:-4096}" "$@"
+run_begin bench-webhook
 export CLUSTERIP_PROFILE=release CLUSTERIP_BACKEND=${CLUSTERIP_BACKEND:-etcd}
 export CLUSTERIP_CLUSTER_DIR
-CLUSTERIP_CLUSTER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-bench-webhook.XXXXXX")
-trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"' EXIT INT TERM
+CLUSTERIP_CLUSTER_DIR=$(owned_tmpdir bench-webhook)
+trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"; run_end' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 cargo build --release --quiet --bin clusterip
-cargo bench --quiet --bench webhook_burst --no-run 2>/dev/null
-burst=$(ls -t target/release/deps/webhook_burst-* | grep -v '\.d$' | head -n 1)
+burst=$(cargo bench --quiet --bench webhook_burst --no-run --message-format=json 2>/dev/null |
+  jq -r 'select(.executable != null and .target.name == "webhook_burst") | .executable' | tail -n 1)
+[ -x "$burst" ] || { echo "bench-webhook: webhook_burst bench binary not built" >&2; exit 1; }
 scripts/dev-cluster.sh up >/dev/null 2>&1
+# shellcheck source=/dev/null
 . "$CLUSTERIP_CLUSTER_DIR/env"
 
 # Without the webhook: the kube-apiserver's own allocator alone.

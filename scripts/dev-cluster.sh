@@ -503,9 +503,10 @@ reap_clusters() {
       echo "reap: removed cluster $d (owner $opid gone)"
     )
   done
-  # Registry lines of clusters whose directory is gone (removed by hand, say).
+  # Registry lines of clusters whose directory is gone (removed by hand, say); skipped while
+  # a cluster is starting (it holds the lock; any later up/down drops such lines too).
   (
-    flock 8
+    flock -n 8 || exit 0
     [ -f "$port_registry" ] || exit 0
     while read -r dir port; do [ -d "$dir" ] || echo "reap: released port $port of $dir (directory gone)"; done < "$port_registry"
     claim_ports_keep_existing
@@ -524,11 +525,19 @@ claim_ports_keep_existing() {
 # runs first (their clusters' owners, watchdogs, orphans die with them), then memory caps,
 # clusters, network namespaces, data directories. One reap at a time on the machine.
 cmd_reap() {
-  local rc=0
+  local rc=0 out more
   exec 7>"${TMPDIR:-/tmp}/clusterip-reap.lock"
   flock 7
-  reap_runs || rc=1
-  reap_caps || rc=1
+  # Runs and memory caps contain each other's owners (a bench's run-capped.sh outside its run,
+  # a run's run-capped.sh inside it): another pass while the last one removed something.
+  for _ in 1 2 3 4; do
+    more=
+    out=$(reap_runs) || rc=1
+    [ -z "$out" ] || { echo "$out"; more=1; }
+    out=$(reap_caps) || rc=1
+    [ -z "$out" ] || { echo "$out"; more=1; }
+    [ -n "$more" ] || break
+  done
   reap_clusters || rc=1
   reap_netns || rc=1
   reap_dirs || rc=1

@@ -2,8 +2,10 @@
 # Installs the Debian packages the harness and the tests need, when they are missing:
 # protoc (etcd-client's build), nftables/iptables/iproute2/conntrack (the node agent's tests),
 # openssl/curl/jq (certificates, probes, benchmarks). As root with apt-get it installs them;
-# otherwise it names them and fails. Used by .ci/run, scripts/test.sh and
-# `scripts/dev-cluster.sh up`, so the README's commands work on a fresh machine.
+# otherwise it names them and fails. Used by .ci/run, scripts/test.sh, scripts/test-soak.sh
+# (stress-ng) and `scripts/dev-cluster.sh up`, so the README's commands work on a fresh
+# machine — never from inside a test: scripts/test.sh exports CLUSTERIP_PACKAGES_ENSURED=1
+# (tests/support sets it too) and `up` then skips it.
 #
 #   scripts/lib/ensure-packages.sh [PACKAGE ...]   # default: the full list below
 set -euo pipefail

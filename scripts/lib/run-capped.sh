@@ -70,7 +70,7 @@ export CLUSTERIP_CAP_CGROUP=$cg
 ( trap - INT QUIT; echo "$BASHPID" > "$cg/cgroup.procs"; exec "$@" ) &
 child=$!
 set +e
-wait "$child"
+wait "$child" 2>/dev/null   # (no "Killed" job notice: the summary line says what happened)
 rc=$?
 set -e
 child=

@@ -9,7 +9,7 @@
 #                      printing each as "NAME: leftover process <pid> <args>", and remove
 #                      the cgroup
 #   run_capped MIB "$@"  (benches, before run_begin) re-run this script under
-#                      scripts/lib/run-capped.sh MIB, once
+#                      scripts/lib/run-capped.sh MIB, once (MIB 0: no cap)
 #
 # A run killed with SIGKILL cannot clean up: the next `reap` (every run and `dev-cluster.sh
 # up` start with one) finds its cgroup's owner gone and kills and removes all of it.
@@ -37,9 +37,11 @@ run_end() {
   run_cgroup_leave "$run_name:" || true
 }
 
+# (The script is found as scripts/<its name>: benches cd to the repository before this.)
 run_capped() {
   local mib=$1; shift
   [ -n "${CLUSTERIP_CAPPED_RUN:-}" ] && return 0
+  [ "$mib" = 0 ] && return 0
   export CLUSTERIP_CAPPED_RUN=1
-  exec "$run_repo/scripts/lib/run-capped.sh" "$mib" -- "$0" "$@"
+  exec "$run_repo/scripts/lib/run-capped.sh" "$mib" -- "$run_repo/scripts/${0##*/}" "$@"
 }

@@ -34,9 +34,10 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
-# Debian packages the build and the tests need (protoc, nftables, iproute2, …): here, once,
-# never from inside a test (dev-cluster.sh up skips it when this marker is set).
-scripts/lib/ensure-packages.sh
+# Debian packages the build and the tests need (protoc, nftables, iproute2, …): here, once
+# (unless .ci/run or an enclosing run did), never from inside a test (dev-cluster.sh up skips
+# it when this marker is set).
+[ "${CLUSTERIP_PACKAGES_ENSURED:-}" = 1 ] || scripts/lib/ensure-packages.sh
 export CLUSTERIP_PACKAGES_ENSURED=1
 
 # Compile first (no cluster needed), so a build error shows before anything starts.

@@ -4,7 +4,10 @@
 //! - entries DNATed to an endpoint that is no longer used by a Service port, for each of
 //!   its VIPs and its NodePort;
 //! - entries of a VIP whose Service port went from no endpoints to some (traffic sent
-//!   while it had none must not stay pinned to the reject);
+//!   while it had none must not stay pinned to the reject) — only those that were not
+//!   DNATed (reply source = the VIP itself): a flow the new rules already sent to an
+//!   endpoint, between the commit and this flush, keeps its endpoint (as kube-proxy's
+//!   cleanup keeps entries whose endpoint is serving);
 //! - entries of a VIP whose Service port is gone.
 
 use std::collections::{BTreeSet, HashMap};
@@ -20,6 +23,8 @@ use crate::proxier::SyncBatch;
 pub enum Flush {
     /// Every UDP entry to `vip:port`.
     Service { vip: IpAddr, port: u16 },
+    /// UDP entries to `vip:port` that were not DNATed to an endpoint.
+    NotDnatted { vip: IpAddr, port: u16 },
     /// UDP entries to `vip:port` DNATed to `endpoint`.
     Endpoint { vip: IpAddr, port: u16, endpoint: IpAddr },
     /// UDP entries to the NodePort `port` DNATed to `endpoint`.
@@ -35,6 +40,19 @@ impl Flush {
             Flush::Service { vip, port } => {
                 vec![s("-D"), s("-f"), s(fam(vip)), s("-p"), s("udp"), s("--orig-dst"), vip.to_string(), s("--orig-port-dst"), port.to_string()]
             }
+            Flush::NotDnatted { vip, port } => vec![
+                s("-D"),
+                s("-f"),
+                s(fam(vip)),
+                s("-p"),
+                s("udp"),
+                s("--orig-dst"),
+                vip.to_string(),
+                s("--orig-port-dst"),
+                port.to_string(),
+                s("--reply-src"),
+                vip.to_string(),
+            ],
             Flush::Endpoint { vip, port, endpoint } => vec![
                 s("-D"),
                 s("-f"),
@@ -183,7 +201,7 @@ fn diff(
         let had_none = old.get(key).is_none_or(|o| o.endpoints.is_empty());
         if had_none && !n.endpoints.is_empty() {
             for vip in &n.vips {
-                out.insert(Flush::Service { vip: *vip, port: n.port });
+                out.insert(Flush::NotDnatted { vip: *vip, port: n.port });
             }
         }
     }
@@ -212,7 +230,12 @@ mod tests {
     fn removed_udp_endpoint_is_flushed() {
         let mut c = ConntrackCleaner::default();
         let first = c.plan(&batch(Protocol::Udp, &["198.18.2.1", "198.18.2.2"]));
-        assert_eq!(first, vec![Flush::Service { vip: ip("198.19.0.53"), port: 53 }], "gained endpoints");
+        assert_eq!(first, vec![Flush::NotDnatted { vip: ip("198.19.0.53"), port: 53 }], "gained endpoints");
+        assert_eq!(
+            first[0].args().join(" "),
+            "-D -f ipv4 -p udp --orig-dst 198.19.0.53 --orig-port-dst 53 --reply-src 198.19.0.53",
+            "only entries that were not DNATed"
+        );
         let second = c.plan(&batch(Protocol::Udp, &["198.18.2.2"]));
         assert_eq!(second, vec![Flush::Endpoint { vip: ip("198.19.0.53"), port: 53, endpoint: ip("198.18.2.1") }]);
         assert!(c.plan(&batch(Protocol::Udp, &["198.18.2.2"])).is_empty());

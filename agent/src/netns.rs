@@ -1,6 +1,9 @@
 //! Running the dataplane tools (`nft`, `conntrack`, `iptables-restore`) in a network
 //! namespace. With `--netns` the agent itself stays in its own namespace (where it can
 //! reach the API server) and only its child processes enter the node namespace.
+//!
+//! Every tool is started with `PR_SET_PDEATHSIG(SIGKILL)`, so that an `nft` or `conntrack`
+//! still running when the agent dies (killed, OOM) dies with it instead of outliving it.
 
 use std::fs::File;
 use std::io::Write;
@@ -19,6 +22,30 @@ pub enum ExecError {
     Spawn { program: String, source: std::io::Error },
     #[error("{program} failed ({status}): {stderr}")]
     Failed { program: String, status: String, stderr: String },
+}
+
+/// Make the process `cmd` starts die (SIGKILL) when its parent does: `PR_SET_PDEATHSIG` in
+/// the child before `exec`, then a check that the parent is still the one that forked it
+/// (had it died before the `prctl`, the signal would never come; the child exits instead).
+///
+/// The kernel sends the signal when the *thread* that spawned the child exits, not only
+/// the process: spawn from a thread that outlives the child (the agent runs its tools from
+/// the sync thread, or from the main thread for `--cleanup`, and waits for each of them).
+pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: prctl(2), getppid(2) and _exit(2) are async-signal-safe; the closure runs in
+    // the forked child only and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                libc::_exit(127);
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Where to run the tools: this process's namespace, or a named one.
@@ -49,9 +76,11 @@ impl Executor {
         self.netns.clone()
     }
 
-    /// A command that will run in the chosen namespace.
+    /// A command that will run in the chosen namespace, and die with the agent
+    /// ([`die_with_parent`]).
     pub fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
+        die_with_parent(&mut cmd);
         if let Some(f) = &self.netns {
             let fd = f.as_raw_fd();
             // SAFETY: setns(2) is async-signal-safe; it runs in the forked child only and
@@ -101,5 +130,36 @@ impl Executor {
             return Err(ExecError::Failed { program: program.to_string(), status: out.status.to_string(), stderr });
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn a_tool_dies_with_the_thread_that_started_it() {
+        // Started from a thread that then ends without waiting: the kernel kills the child.
+        // (Without the death signal, `sleep` would exit normally after 60 s.)
+        let mut child = std::thread::spawn(|| {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("60");
+            die_with_parent(&mut cmd);
+            cmd.spawn().expect("spawn sleep")
+        })
+        .join()
+        .expect("spawning thread");
+        let status = child.wait().expect("wait");
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    }
+
+    #[test]
+    fn executor_commands_die_with_the_agent() {
+        let mut child = std::thread::spawn(|| Executor::host().command("sleep").arg("60").spawn().expect("spawn sleep"))
+            .join()
+            .expect("spawning thread");
+        let status = child.wait().expect("wait");
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
     }
 }

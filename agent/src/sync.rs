@@ -248,15 +248,52 @@ mod tests {
     use crate::proxier::{DataplaneError, SyncReport};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// Records (full, number of Services) per sync; fails the first `fail_first` syncs.
+    /// Records (full, number of Services, start, end) per sync; fails the first
+    /// `fail_first` syncs; while `gate` is closed, a sync blocks (after recording its start).
     struct Fake {
-        calls: Arc<Mutex<Vec<(bool, usize)>>>,
+        calls: Calls,
         fail_first: Arc<AtomicUsize>,
+        gate: Arc<Gate>,
+    }
+
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    struct Call {
+        full: bool,
+        services: usize,
+        start: Instant,
+        end: Instant,
+    }
+
+    /// Blocks syncs while closed.
+    #[derive(Default)]
+    struct Gate {
+        closed: Mutex<bool>,
+        cv: Condvar,
+    }
+
+    impl Gate {
+        fn set(&self, closed: bool) {
+            *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = closed;
+            self.cv.notify_all();
+        }
+        fn pass(&self) {
+            let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+            while *closed {
+                closed = self.cv.wait(closed).unwrap_or_else(|p| p.into_inner());
+            }
+        }
     }
 
     impl Proxier for Fake {
         fn sync(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
-            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push((batch.full, batch.services.len()));
+            let start = Instant::now();
+            let i = {
+                let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+                calls.push(Call { full: batch.full, services: batch.services.len(), start, end: start });
+                calls.len() - 1
+            };
+            self.gate.pass();
+            self.calls.lock().unwrap_or_else(|p| p.into_inner())[i].end = Instant::now();
             if self.fail_first.load(Ordering::SeqCst) > 0 {
                 self.fail_first.fetch_sub(1, Ordering::SeqCst);
                 return Err(DataplaneError::Listing("injected failure".into()));
@@ -280,20 +317,43 @@ mod tests {
         .expect("svc")
     }
 
-    type Calls = Arc<Mutex<Vec<(bool, usize)>>>;
+    type Calls = Arc<Mutex<Vec<Call>>>;
 
-    fn start(fail_first: usize, min: Duration) -> (Arc<Shared>, Calls, std::thread::JoinHandle<()>) {
-        let shared = Shared::new(ProxyState::new(NodeInfo::default(), None), ProxyHealth::new(Duration::from_secs(60)), Metrics::new());
-        let calls = Arc::new(Mutex::new(Vec::new()));
-        let fake = Fake { calls: calls.clone(), fail_first: Arc::new(AtomicUsize::new(fail_first)) };
-        let cfg = SyncConfig { min_sync_period: min, sync_period: Duration::from_secs(3600), verify_period: None };
-        let s = shared.clone();
-        let h = std::thread::spawn(move || run(s, Box::new(fake), Executor::host(), cfg, None));
-        (shared, calls, h)
+    struct Loop {
+        shared: Arc<Shared>,
+        calls: Calls,
+        gate: Arc<Gate>,
+        thread: std::thread::JoinHandle<()>,
     }
 
+    impl Loop {
+        fn calls(&self) -> Vec<Call> {
+            self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        }
+        /// Stop the loop; the calls it made.
+        fn stop(self) -> Vec<Call> {
+            self.gate.set(false);
+            self.shared.shutdown();
+            let _ = self.thread.join();
+            self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        }
+    }
+
+    fn start(fail_first: usize, min: Duration) -> Loop {
+        let shared = Shared::new(ProxyState::new(NodeInfo::default(), None), ProxyHealth::new(Duration::from_secs(60)), Metrics::new());
+        let calls: Calls = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(Gate::default());
+        let fake = Fake { calls: calls.clone(), fail_first: Arc::new(AtomicUsize::new(fail_first)), gate: gate.clone() };
+        let cfg = SyncConfig { min_sync_period: min, sync_period: Duration::from_secs(3600), verify_period: None };
+        let s = shared.clone();
+        let thread = std::thread::spawn(move || run(s, Box::new(fake), Executor::host(), cfg, None));
+        Loop { shared, calls, gate, thread }
+    }
+
+    /// Wait for `f`, with a deadline generous enough for a loaded machine (it only bounds
+    /// how long a broken loop makes the test hang).
     fn wait(what: &str, f: impl Fn() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(60);
         while !f() {
             assert!(Instant::now() < deadline, "timed out waiting for {what}");
             std::thread::sleep(Duration::from_millis(5));
@@ -302,47 +362,50 @@ mod tests {
 
     #[test]
     fn nothing_runs_before_both_lists_then_changes_are_coalesced() {
-        let (shared, calls, h) = start(0, Duration::from_millis(300));
-        shared.update(|c| {
+        let min = Duration::from_millis(300);
+        let l = start(0, min);
+        l.shared.update(|c| {
             c.services_synced = true;
             c.state.apply_service(&svc(0))
         });
+        // (A slow machine only makes this check weaker, never wrong.)
         std::thread::sleep(Duration::from_millis(100));
-        assert!(calls.lock().expect("calls").is_empty(), "no sync before EndpointSlices are listed");
-        shared.update(|c| {
+        assert!(l.calls().is_empty(), "no sync before EndpointSlices are listed");
+        // Hold the first sync in the dataplane while 50 changes arrive one by one (each
+        // wakes the loop): they must all go into one next sync, whatever the scheduling.
+        l.gate.set(true);
+        l.shared.update(|c| {
             c.slices_synced = true;
             true
         });
-        wait("the first (full) sync", || !calls.lock().expect("calls").is_empty());
-        // 50 changes within the min sync period: at most two more syncs.
+        wait("the first (full) sync to start", || !l.calls().is_empty());
         for i in 1..=50 {
-            shared.update(|c| c.state.apply_service(&svc(i)));
+            l.shared.update(|c| c.state.apply_service(&svc(i)));
         }
-        wait("all changes programmed", || shared.lock().syncs >= 2 && !shared.lock().state.has_changes());
-        let c = calls.lock().expect("calls").clone();
-        shared.shutdown();
-        let _ = h.join();
-        assert_eq!(c[0], (true, 1), "first sync is full with what was listed: {c:?}");
-        assert!(c.len() <= 3, "changes were coalesced: {c:?}");
-        assert_eq!(c[1..].iter().map(|x| x.1).sum::<usize>(), 50, "every changed Service synced once: {c:?}");
+        l.gate.set(false);
+        wait("all changes programmed", || l.shared.lock().syncs >= 2 && !l.shared.lock().state.has_changes());
+        let c = l.stop();
+        let summary: Vec<(bool, usize)> = c.iter().map(|x| (x.full, x.services)).collect();
+        assert_eq!(summary, vec![(true, 1), (false, 50)], "the first sync is full with what was listed, then one sync for the 50 changes");
+        let gap = c[1].start.duration_since(c[0].end);
+        assert!(gap >= min, "the next sync started {gap:?} after the previous one ended, less than the min sync period {min:?}");
     }
 
     #[test]
     fn a_failed_sync_is_retried_as_a_full_one() {
-        let (shared, calls, h) = start(1, Duration::from_millis(10));
-        let t0 = Instant::now();
-        shared.update(|c| {
+        let l = start(1, Duration::from_millis(10));
+        l.shared.update(|c| {
             c.services_synced = true;
             c.slices_synced = true;
             c.state.apply_service(&svc(0))
         });
-        wait("a successful sync after the failure", || shared.lock().syncs >= 1);
-        let c = calls.lock().expect("calls").clone();
-        shared.shutdown();
-        let _ = h.join();
-        assert!(c.len() >= 2, "{c:?}");
-        assert!(c[1].0, "the retry is a full sync: {c:?}");
-        assert!(t0.elapsed() >= Duration::from_millis(900), "the retry waited for the 1 s backoff");
+        wait("a successful sync after the failure", || l.shared.lock().syncs >= 1);
+        let shared = l.shared.clone();
+        let c = l.stop();
+        assert_eq!(c.len(), 2, "one failure, one retry: {c:?}");
+        assert!(c[1].full, "the retry is a full sync: {c:?}");
+        let waited = c[1].start.duration_since(c[0].end);
+        assert!(waited >= Duration::from_secs(1), "the retry waited {waited:?}, less than the 1 s backoff");
         assert_eq!(shared.metrics.sync_failures.get(), 1);
     }
 }

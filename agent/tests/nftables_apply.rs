@@ -14,7 +14,7 @@ use clusterip_agent::netns::Executor;
 use clusterip_agent::nftables::render::RenderOptions;
 use clusterip_agent::nftables::NftablesProxier;
 use clusterip_agent::proxier::{Proxier, SyncBatch};
-use common::{ns_sh, Netns};
+use common::{ns_sh, sa, Netns, Topology, UDP_PORT};
 
 fn ip(s: &str) -> IpAddr {
     s.parse().expect("ip")
@@ -49,7 +49,7 @@ fn sync_ok(p: &mut NftablesProxier, batch: SyncBatch) -> clusterip_agent::proxie
 
 #[test]
 fn every_kind_of_change_applies_and_matches_the_mirror() {
-    let ns = Netns::new("cipa");
+    let ns = Netns::new("apply");
     let exec = Executor::in_netns(&ns.name).expect("netns");
     let mut p = NftablesProxier::new(exec, RenderOptions::default(), 50_000);
     let all = |n: usize| {
@@ -97,7 +97,7 @@ fn every_kind_of_change_applies_and_matches_the_mirror() {
 
 #[test]
 fn huge_first_sync_is_split_into_bounded_transactions() {
-    let ns = Netns::new("cipa");
+    let ns = Netns::new("apply");
     let exec = Executor::in_netns(&ns.name).expect("netns");
     let mut p = NftablesProxier::new(exec, RenderOptions::default(), 200);
     let services: Vec<_> = (0..60).map(|i| service(&format!("s{i}"), 10 + i, Protocol::Tcp, 5, |_| {})).collect();
@@ -109,7 +109,7 @@ fn huge_first_sync_is_split_into_bounded_transactions() {
 
 #[test]
 fn drift_is_detected_and_rebuilt() {
-    let ns = Netns::new("cipa");
+    let ns = Netns::new("apply");
     let exec = Executor::in_netns(&ns.name).expect("netns");
     let mut p = NftablesProxier::new(exec, RenderOptions::default(), 50_000);
     let services = vec![service("a", 1, Protocol::Tcp, 3, |_| {})];
@@ -165,7 +165,7 @@ fn with_port(mut svc: (NamespacedName, Vec<DesiredPort>), port: u16) -> (Namespa
 
 #[test]
 fn netlink_batches_program_what_nft_would() {
-    let (na, nb) = (Netns::new("cipa"), Netns::new("cipa"));
+    let (na, nb) = (Netns::new("netlink"), Netns::new("nft"));
     let mut ours = NftablesProxier::new(Executor::in_netns(&na.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(true);
     let mut nft = NftablesProxier::new(Executor::in_netns(&nb.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(false);
     let kinds = || {
@@ -224,7 +224,7 @@ fn netlink_batches_program_what_nft_would() {
 
 #[test]
 fn a_big_netlink_batch_of_many_messages_is_applied_whole() {
-    let (na, nb) = (Netns::new("cipa"), Netns::new("cipa"));
+    let (na, nb) = (Netns::new("netlink"), Netns::new("nft"));
     let mut ours = NftablesProxier::new(Executor::in_netns(&na.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(true);
     let mut nft = NftablesProxier::new(Executor::in_netns(&nb.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(false);
     let all = |port: u16| -> Vec<_> { (0..300).map(|i| with_port(service(&format!("s{i}"), 10 + i, Protocol::Tcp, 3, |_| {}), port)).collect() };
@@ -241,7 +241,7 @@ fn a_big_netlink_batch_of_many_messages_is_applied_whole() {
 
 #[test]
 fn a_rejected_netlink_batch_changes_nothing_and_the_next_sync_rebuilds() {
-    let ns = Netns::new("cipa");
+    let ns = Netns::new("apply");
     let mut p = NftablesProxier::new(Executor::in_netns(&ns.name).expect("netns"), RenderOptions::default(), 50_000).with_netlink(true);
     let services = || vec![service("a", 1, Protocol::Tcp, 3, |_| {}), service("b", 2, Protocol::Tcp, 3, |_| {})];
     sync_ok(&mut p, SyncBatch { full: true, services: services() });
@@ -256,4 +256,52 @@ fn a_rejected_netlink_batch_changes_nothing_and_the_next_sync_rebuilds() {
     let r = sync_ok(&mut p, SyncBatch { full: true, services: changed });
     assert_eq!(r.netlink_transactions, 0, "a rebuild goes through nft");
     assert!(ns_sh(&ns.name, &["nft", "list", "map", "ip", "clusterip", "endpoint-dnat-tcp-0"]).contains(". 8081"));
+}
+
+/// The UDP conntrack entries in `ns` from client source port `sport`.
+fn udp_entries(ns: &str, sport: u16) -> Vec<String> {
+    // `conntrack -L` exits 0 with the entries on stdout (the count goes to stderr).
+    let out = ns_sh(ns, &["conntrack", "-L", "-p", "udp", "--sport", &sport.to_string()]);
+    out.lines().filter(|l| l.contains(&format!("sport={sport} "))).map(str::to_string).collect()
+}
+
+#[test]
+fn udp_entries_from_before_the_endpoints_are_flushed_and_fresh_dnat_entries_kept() {
+    use clusterip_agent::conntrack::ConntrackCleaner;
+    let topo = Topology::new(1);
+    let exec = Executor::in_netns(&topo.node.name).expect("netns");
+    let mut p = NftablesProxier::new(exec.clone(), RenderOptions::default(), 50_000);
+    let mut cleaner = ConntrackCleaner::default();
+    // The tables exist (conntrack is on in the node namespace), the DNS Service is not
+    // programmed yet: the client's packets to its VIP are routed unchanged (towards br0,
+    // where nobody answers) and leave a conntrack entry that was never DNATed.
+    let other = service("other", 1, Protocol::Tcp, 1, |_| {});
+    let first = SyncBatch { full: true, services: vec![other] };
+    p.sync(&first).expect("first sync");
+    cleaner.plan(&first);
+    let (vip, stale_port, fresh_port) = ("198.19.0.53", 40100, 40101);
+    let addr = sa(vip, 53);
+    let (stale_client, fresh_client) = (topo.udp_client(false, stale_port), topo.udp_client(false, fresh_port));
+    assert!(stale_client.ask(addr, std::time::Duration::from_millis(300)).is_err(), "no DNS Service yet");
+    let stale = udp_entries(&topo.node.name, stale_port);
+    assert!(stale.len() == 1 && stale[0].contains(&format!("src={vip} dst=198.18.1.2 sport=53")), "an entry that was not DNATed: {stale:?}");
+
+    // The Service and its endpoint are committed; a new flow is DNATed to the endpoint
+    // before the agent runs its flushes (what a client can do at any time).
+    let sp = ServicePort::cluster_ip("ns", "dns", "dns", Protocol::Udp, ip(vip), 53);
+    let ep = Endpoint::ready(ip(&Topology::backend_ip(0)), UDP_PORT);
+    let dns = (NamespacedName::new("ns", "dns"), vec![DesiredPort { port: sp, v4: Categorized { cluster: vec![ep], local: vec![], has_any: true }, v6: Categorized::default() }]);
+    let second = SyncBatch { full: false, services: vec![dns] };
+    p.sync(&second).expect("second sync");
+    let flushes = cleaner.plan(&second);
+    let t = std::time::Duration::from_secs(10);
+    assert_eq!(fresh_client.ask(addr, t).expect("answer through the new rules"), "b0");
+    let failures = ConntrackCleaner::execute(&exec, &flushes);
+    assert!(failures.is_empty(), "{failures:?}");
+
+    // The stale entry is gone (its flow now reaches the endpoint), the fresh one kept.
+    assert_eq!(udp_entries(&topo.node.name, stale_port), Vec::<String>::new(), "the entry from before the endpoints was flushed");
+    let fresh = udp_entries(&topo.node.name, fresh_port);
+    assert!(fresh.len() == 1 && fresh[0].contains(&format!("src={} ", Topology::backend_ip(0))), "the DNATed flow kept its entry: {fresh:?}");
+    assert_eq!(stale_client.ask(addr, t).expect("the old flow reaches the endpoint now"), "b0");
 }

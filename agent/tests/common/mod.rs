@@ -2,6 +2,14 @@
 //! topology, responders answering with their own name, the agent process, and the
 //! Kubernetes objects (Services without selectors, EndpointSlices written by the test).
 //!
+//! Nothing a test starts outlives it: network namespaces are named
+//! `cip<pid>x<seq><tag>` (pid = this test process; `scripts/dev-cluster.sh reap` deletes
+//! those whose process is gone, should a run be killed before its drops ran), and every
+//! long-running process spawned here (the agent) gets `PR_SET_PDEATHSIG(SIGKILL)`
+//! ([`command`]). Short setup commands (`ip`, `nft`, `sysctl`) end on their own and are
+//! spawned plainly: `posix_spawn` rather than `fork` + `pre_exec`, which keeps short the
+//! window in which a child still holds copies of the test's sockets (until its `exec`).
+//!
 //! Topology (all in namespaces created here, removed on drop even when a test fails):
 //!
 //! ```text
@@ -31,6 +39,14 @@ use kube::Api;
 pub const TCP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
 
+/// A command whose process is killed when the calling thread (the test's) exits: spawn it
+/// from the test's own thread, not from a helper thread that ends before it.
+pub fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    clusterip_agent::netns::die_with_parent(&mut cmd);
+    cmd
+}
+
 /// Run a command; panic with its output if it fails (test setup only).
 pub fn sh(args: &[&str]) -> String {
     let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
@@ -53,19 +69,27 @@ pub fn ns_try(ns: &str, args: &[&str]) -> Option<String> {
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
-/// A short unique name (interface / namespace names are limited).
+/// A short name unique in this run: `{prefix}{pid}x{seq}` (proxy names, label values).
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}{}x{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed))
 }
 
-/// A network namespace, deleted on drop.
+/// The name of a network namespace owned by this process: `cip<pid>x<seq><tag>` (the
+/// convention `scripts/dev-cluster.sh reap` relies on: `cip<owner pid>x…`). Interface
+/// names (at most 15 characters) are separate and short: `c0`, `br0`, `b<i>`, `eth0`.
+pub fn netns_name(tag: &str) -> String {
+    assert!(tag.chars().all(|c| c.is_ascii_alphanumeric()), "netns tag {tag:?}: letters and digits only");
+    format!("cip{}x{}{tag}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A network namespace named by [`netns_name`], deleted on drop.
 pub struct Netns {
     pub name: String,
 }
 
 impl Netns {
-    pub fn new(prefix: &str) -> Netns {
-        let name = unique(prefix);
+    pub fn new(tag: &str) -> Netns {
+        let name = netns_name(tag);
         sh(&["ip", "netns", "add", &name]);
         let ns = Netns { name };
         ns_sh(&ns.name, &["ip", "link", "set", "lo", "up"]);
@@ -171,8 +195,8 @@ impl Topology {
     pub const NODE_IP6: &'static str = "fd00:1::1";
 
     pub fn new(backends: usize) -> Topology {
-        let node = Netns::new("cipn");
-        let client = Netns::new("cipc");
+        let node = Netns::new("node");
+        let client = Netns::new("client");
         let n = node.name.as_str();
         for (k, v) in [("net.ipv4.ip_forward", "1"), ("net.ipv6.conf.all.forwarding", "1")] {
             ns_sh(n, &["sysctl", "-qw", &format!("{k}={v}")]);
@@ -198,7 +222,7 @@ impl Topology {
         let mut bs = Vec::new();
         let mut responders = Vec::new();
         for i in 0..backends {
-            let b = Netns::new("cipb");
+            let b = Netns::new(&format!("b{i}"));
             let veth = format!("b{i}");
             sh(&["ip", "-n", n, "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &b.name]);
             ns_sh(n, &["ip", "link", "set", &veth, "master", "br0"]);
@@ -251,18 +275,34 @@ pub fn tcp_get_in(ns: &str, addr: SocketAddr, timeout: Duration) -> std::io::Res
 }
 
 impl Topology {
+    /// A UDP client in the client namespace on source port `src_port`.
+    pub fn udp_client(&self, v6: bool, src_port: u16) -> UdpClient {
+        let bind: SocketAddr = if v6 { (std::net::Ipv6Addr::UNSPECIFIED, src_port).into() } else { ([0, 0, 0, 0], src_port).into() };
+        let sock = in_netns(&self.client.name, || UdpSocket::bind(bind)).unwrap_or_else(|e| panic!("bind udp {bind} in the client namespace: {e}"));
+        UdpClient { sock }
+    }
+}
 
-    /// One UDP request from the client namespace from source port `src_port`.
-    pub fn udp_ask(&self, addr: SocketAddr, src_port: u16, timeout: Duration) -> std::io::Result<String> {
-        in_netns(&self.client.name, || {
-            let bind: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], src_port).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, src_port).into() };
-            let s = UdpSocket::bind(bind)?;
-            s.set_read_timeout(Some(timeout))?;
-            s.send_to(b"who\n", addr)?;
-            let mut buf = [0u8; 128];
-            let (n, _) = s.recv_from(&mut buf)?;
-            Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
-        })
+/// A UDP socket bound once to a source port and kept for the test: asking again from the
+/// same port reuses it. (Binding the port anew after closing the previous socket can fail
+/// with EADDRINUSE: a child forked meanwhile by another test thread holds a copy of the
+/// socket until it execs.)
+pub struct UdpClient {
+    sock: UdpSocket,
+}
+
+impl UdpClient {
+    /// One request to `addr`: the answer (the backend's name), or the error.
+    pub fn ask(&self, addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+        let mut buf = [0u8; 128];
+        // Late answers to earlier requests (that timed out) are not this one's.
+        self.sock.set_nonblocking(true)?;
+        while self.sock.recv_from(&mut buf).is_ok() {}
+        self.sock.set_nonblocking(false)?;
+        self.sock.set_read_timeout(Some(timeout))?;
+        self.sock.send_to(b"who\n", addr)?;
+        let (n, _) = self.sock.recv_from(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
     }
 }
 
@@ -289,7 +329,8 @@ pub struct Agent {
 impl Agent {
     pub fn start(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str]) -> Agent {
         let node_name = format!("node-{proxy_name}");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_clusterip-agent"));
+        // Spawned from the test's thread with PDEATHSIG: a killed test run kills its agents.
+        let mut cmd = command(env!("CARGO_BIN_EXE_clusterip-agent"));
         cmd.args(["--netns", node_ns, "--node-name", &node_name, "--service-proxy-name", proxy_name])
             .arg("--kubeconfig")
             .arg(kubeconfig)
@@ -315,17 +356,54 @@ impl Agent {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Every sync the agent ran succeeded.
+    /// The address the agent logged for `what` ("healthz", "metrics") once it listens: give
+    /// it `127.0.0.1:0` and it binds a free port itself (no window in which another process
+    /// could take a port the test picked).
+    pub fn listening_addr(&self, what: &str) -> SocketAddr {
+        let needle = format!("{what} listening");
+        wait_for(&format!("the agent to log `{needle}`"), Duration::from_secs(60), || {
+            let log = self.log();
+            let line = log.lines().find(|l| l.contains(&needle))?;
+            let value = line.split_whitespace().find_map(|w| w.strip_prefix("addr="))?;
+            Some(value.parse().unwrap_or_else(|e| panic!("address in {line:?}: {e}")))
+        })
+    }
+
+    /// Number of log lines containing every one of `needles`.
+    pub fn log_count(&self, needles: &[&str]) -> usize {
+        self.log().lines().filter(|l| needles.iter().all(|n| l.contains(n))).count()
+    }
+
+    /// Stop the agent (SIGSTOP) until the guard is dropped (SIGCONT): lets a test observe
+    /// a state the agent would repair, without racing it.
+    pub fn pause(&self) -> Paused<'_> {
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGSTOP) };
+        // Wait until it is stopped (state T in /proc/<pid>/stat).
+        let stat = format!("/proc/{}/stat", self.child.id());
+        wait_for("the agent to stop", Duration::from_secs(60), || {
+            let s = std::fs::read_to_string(&stat).ok()?;
+            let state = s.rsplit_once(')')?.1.split_whitespace().next()?.to_string();
+            (state == "T").then_some(())
+        });
+        Paused { agent: self }
+    }
+
+    /// The agent synced, and every sync it ran so far succeeded. (The rules are in the
+    /// kernel before the sync's "sync done" line is written: wait for the line.)
     pub fn assert_no_sync_failures(&self) {
+        wait_for("the agent to log a finished sync", Duration::from_secs(60), || self.log().contains("sync done").then_some(()));
         let log = self.log();
-        assert!(log.contains("sync done"), "the agent never synced:\n{log}");
         assert!(!log.contains("sync failed"), "a sync failed:\n{log}");
     }
 
     pub fn stop(&mut self) {
-        // SAFETY: signalling our own child process by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(5);
+        // SAFETY: signalling our own child process by its pid (SIGCONT in case it is paused).
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+            libc::kill(self.child.id() as i32, libc::SIGCONT);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return;
@@ -334,6 +412,18 @@ impl Agent {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The agent stopped by [`Agent::pause`]; continued on drop.
+pub struct Paused<'a> {
+    agent: &'a Agent,
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(self.agent.child.id() as i32, libc::SIGCONT) };
     }
 }
 

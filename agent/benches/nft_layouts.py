@@ -20,7 +20,18 @@ layouts:
 After each layout is loaded, one endpoint element is replaced (`delete element` +
 `add element`, a partial sync's typical delta) and timed too (`one_change_seconds`).
 """
-import os, subprocess, sys, tempfile, time
+import ctypes, os, signal, subprocess, sys, tempfile, time
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+_parent = os.getpid()
+
+
+def _die_with_parent():
+    """In each child before exec: die (SIGKILL) when this script dies."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _parent:
+        os._exit(127)
 
 T = "ip clusterip"
 
@@ -85,26 +96,26 @@ def one_change(n, mode):
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
     modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["select", "shard", "anon", "rules", "shared"]
-    ns = f"cipnftlayout{os.getpid()}"
+    ns = f"cip{os.getpid()}xnftlayout"  # cip<owner pid>x…: scripts/dev-cluster.sh reap removes it if this process dies
     for mode in modes:
         with tempfile.NamedTemporaryFile("w", suffix=".nft") as f:
             f.write(gen(n, mode))
             f.flush()
-            subprocess.run(["ip", "netns", "add", ns], check=True)
+            subprocess.run(["ip", "netns", "add", ns], check=True, preexec_fn=_die_with_parent)
             try:
                 t = time.monotonic()
-                r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", f.name], capture_output=True, text=True)
+                r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", f.name], capture_output=True, text=True, preexec_fn=_die_with_parent)
                 dt = time.monotonic() - t
                 status = "ok" if r.returncode == 0 else "FAILED: " + r.stderr.strip()[:200]
                 change = ""
                 if r.returncode == 0:
                     delta = one_change(n, mode)
                     t = time.monotonic()
-                    r2 = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=delta, capture_output=True, text=True)
+                    r2 = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=delta, capture_output=True, text=True, preexec_fn=_die_with_parent)
                     change = f" one_change_seconds={time.monotonic() - t:.3f}" + ("" if r2.returncode == 0 else " FAILED: " + r2.stderr.strip()[:200])
                 print(f"RESULT nft_layout_{mode}_{n} seconds={dt:.2f}{change} {status}")
             finally:
-                subprocess.run(["ip", "netns", "del", ns])
+                subprocess.run(["ip", "netns", "del", ns], preexec_fn=_die_with_parent)
 
 
 if __name__ == "__main__":

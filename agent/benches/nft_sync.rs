@@ -9,8 +9,18 @@
 //! given by --change-at, one EndpointSlice is then changed and the next (partial) sync is
 //! timed the same way. Peak memory is VmHWM of each process.
 //!
+//! kube-proxy runs with `--oom-score-adj=0` (its default, -999, would make the kernel kill
+//! anything else first when the machine runs out of memory). With `--run-capped SCRIPT
+//! --mem-cap-mib N` each proxy runs as `SCRIPT N -- command…` (scripts/lib/run-capped.sh:
+//! a memory cgroup of its own); peak memory is then read from the proxy itself (the
+//! descendant running the proxy's binary), not from the wrapper.
+//!
+//! Nothing outlives the bench: its namespaces are named `cip<pid>x…` (what
+//! `scripts/dev-cluster.sh reap` removes once this process is gone), every child gets
+//! `PR_SET_PDEATHSIG(SIGKILL)`, and stopping a proxy signals the wrapper and the proxy.
+//!
 //! Arguments: --kubeconfig PATH --agent PATH [--kube-proxy PATH] [--sizes 1000,10000]
-//! [--endpoints 10] [--change-at 10000] [--timeout-s 1800]
+//! [--endpoints 10] [--change-at 10000] [--timeout-s 1800] [--run-capped SCRIPT --mem-cap-mib N]
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -36,6 +46,8 @@ struct Opts {
     endpoints: usize,
     change_at: usize,
     timeout: Duration,
+    /// `run-capped.sh` and its limit in MiB, to run each proxy in a memory cgroup.
+    capped: Option<(String, u64)>,
 }
 
 fn parse_args() -> Result<Opts, String> {
@@ -48,7 +60,9 @@ fn parse_args() -> Result<Opts, String> {
         endpoints: 10,
         change_at: 10000,
         timeout: Duration::from_secs(1800),
+        capped: None,
     };
+    let (mut run_capped, mut cap_mib) = (None, None);
     while let Some(a) = args.next() {
         let mut val = || args.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
@@ -59,6 +73,8 @@ fn parse_args() -> Result<Opts, String> {
             "--endpoints" => o.endpoints = val()?.parse().map_err(|e| format!("--endpoints: {e}"))?,
             "--change-at" => o.change_at = val()?.parse().map_err(|e| format!("--change-at: {e}"))?,
             "--timeout-s" => o.timeout = Duration::from_secs(val()?.parse().map_err(|e| format!("--timeout-s: {e}"))?),
+            "--run-capped" => run_capped = Some(val()?).filter(|s| !s.is_empty()),
+            "--mem-cap-mib" => cap_mib = Some(val()?.parse::<u64>().map_err(|e| format!("--mem-cap-mib: {e}"))?),
             "--bench" => {}
             other => return Err(format!("unknown argument {other}")),
         }
@@ -66,37 +82,100 @@ fn parse_args() -> Result<Opts, String> {
     if o.kubeconfig.is_empty() || o.agent.is_empty() {
         return Err("--kubeconfig and --agent are required".into());
     }
+    o.capped = match (run_capped, cap_mib) {
+        (Some(script), Some(mib)) => Some((script, mib)),
+        (None, _) => None,
+        (Some(_), None) => return Err("--run-capped needs --mem-cap-mib".into()),
+    };
     Ok(o)
 }
 
-/// A network namespace, deleted on drop.
+/// A command whose process dies with this one (`PR_SET_PDEATHSIG`; spawn from the main
+/// thread, which outlives every child).
+fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    clusterip_agent::netns::die_with_parent(&mut cmd);
+    cmd
+}
+
+/// A network namespace named `cip<pid>x<tag>`, deleted on drop.
 struct Netns(String);
 
 impl Netns {
     fn new(tag: &str) -> Netns {
-        let name = format!("cipbench-{tag}-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).stderr(Stdio::null()).status();
-        let ok = Command::new("ip").args(["netns", "add", &name]).status().map(|s| s.success()).unwrap_or(false);
+        let name = format!("cip{}x{tag}", std::process::id());
+        let _ = command("ip").args(["netns", "del", &name]).stderr(Stdio::null()).status();
+        let ok = command("ip").args(["netns", "add", &name]).status().map(|s| s.success()).unwrap_or(false);
         assert!(ok, "ip netns add {name}");
-        let _ = Command::new("ip").args(["netns", "exec", &name, "ip", "link", "set", "lo", "up"]).status();
+        let _ = command("ip").args(["netns", "exec", &name, "ip", "link", "set", "lo", "up"]).status();
         Netns(name)
     }
 }
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        let _ = command("ip").args(["netns", "del", &self.0]).status();
     }
 }
 
-/// A child process whose stderr+stdout lines arrive on a channel; killed on drop.
+/// The parent pid of each process (from /proc/<pid>/stat).
+fn parents() -> Vec<(u32, u32)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return vec![] };
+    dir.filter_map(|e| {
+        let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+        Some((pid, ppid))
+    })
+    .collect()
+}
+
+/// `root` and its descendants, parents first.
+fn tree(root: u32) -> Vec<u32> {
+    let all = parents();
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        out.extend(all.iter().filter(|(_, pp)| *pp == p).map(|(pid, _)| *pid));
+        i += 1;
+    }
+    out
+}
+
+/// A child process whose stderr+stdout lines arrive on a channel; killed on drop, with its
+/// descendants (a memory-capping wrapper may run the proxy as its own child).
 struct Proc {
     child: Child,
     lines: mpsc::Receiver<String>,
+    /// File name of the binary whose memory is measured (the proxy, maybe under a wrapper).
+    exe: String,
+}
+
+/// `program args…`, under `run-capped.sh <MiB> --` when capping; the file name of the
+/// proxy's binary for [`Proc::peak_rss_mib`].
+fn proxy_command(o: &Opts, program: &str, args: &[String], exe: &str) -> (Command, String) {
+    let cmd = match &o.capped {
+        Some((script, mib)) => {
+            // The wrapper gets SIGTERM when this process dies: it then stops the proxy and
+            // removes its cgroup (SIGKILL would leave both behind).
+            let mut c = Command::new(script);
+            clusterip_agent::netns::die_with_parent_by(&mut c, libc::SIGTERM);
+            c.arg(mib.to_string()).arg("--").arg(program).args(args);
+            c
+        }
+        None => {
+            let mut c = command(program);
+            c.args(args);
+            c
+        }
+    };
+    let exe = std::path::Path::new(exe).file_name().map_or(exe.to_string(), |n| n.to_string_lossy().into_owned());
+    (cmd, exe)
 }
 
 impl Proc {
-    fn spawn(mut cmd: Command, log: Option<std::path::PathBuf>) -> Proc {
+    fn spawn((mut cmd, exe): (Command, String), log: Option<std::path::PathBuf>) -> Proc {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
         let (tx, rx) = mpsc::channel();
@@ -118,7 +197,17 @@ impl Proc {
                 }
             });
         }
-        Proc { child, lines: rx }
+        Proc { child, lines: rx, exe }
+    }
+
+    /// The pid running the measured binary: the child, or one of its descendants.
+    fn measured_pid(&self) -> Option<u32> {
+        tree(self.child.id()).into_iter().find(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/exe"))
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .is_some_and(|n| n == self.exe || n.strip_suffix(" (deleted)") == Some(&self.exe))
+        })
     }
 
     /// Wait for a line matching `f` (which extracts a value).
@@ -138,7 +227,8 @@ impl Proc {
     }
 
     fn peak_rss_mib(&self) -> Option<f64> {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let pid = self.measured_pid()?;
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         let kb: f64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
         Some(kb / 1024.0)
     }
@@ -146,16 +236,31 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        // The child and whatever it started (taken before the child exits, when they would
+        // be reparented away).
+        let pids = tree(self.child.id());
+        let signal = |sig: i32| {
+            for pid in &pids {
+                // SAFETY: signalling our own child and its descendants by pid.
+                unsafe { libc::kill(*pid as i32, sig) };
+            }
+        };
+        let alive = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with('Z')))
+                .unwrap_or(false)
+        };
+        signal(libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            let child_done = matches!(self.child.try_wait(), Ok(Some(_)));
+            if child_done && !pids[1..].iter().any(|p| alive(*p)) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
+        signal(libc::SIGKILL);
         let _ = self.child.wait();
     }
 }
@@ -313,13 +418,15 @@ fn elapsed_s(l: &str) -> Option<f64> {
 }
 
 fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: usize, change: bool) -> Measure {
-    let ns = Netns::new("ours");
-    let mut cmd = Command::new(&o.agent);
-    cmd.args(["--netns", &ns.0, "--kubeconfig", &o.kubeconfig, "--node-name", "bench-node"])
-        .args(["--healthz-bind-address", "", "--metrics-bind-address", "", "--sync-period", "1h", "--min-sync-period", "1s"])
-        .env("NO_COLOR", "1")
-        .env("RUST_LOG", "info");
-    let mut p = Proc::spawn(cmd, Some(std::env::temp_dir().join(format!("clusterip-bench-ours-{n}.log"))));
+    let ns = Netns::new("benchours");
+    let args: Vec<String> = ["--netns", &ns.0, "--kubeconfig", &o.kubeconfig, "--node-name", "bench-node"]
+        .into_iter()
+        .chain(["--healthz-bind-address", "", "--metrics-bind-address", "", "--sync-period", "1h", "--min-sync-period", "1s"])
+        .map(str::to_string)
+        .collect();
+    let (mut cmd, exe) = proxy_command(o, &o.agent, &args, &o.agent);
+    cmd.env("NO_COLOR", "1").env("RUST_LOG", "info");
+    let mut p = Proc::spawn((cmd, exe), Some(std::env::temp_dir().join(format!("clusterip-bench-ours-{n}.log"))));
     let mut m = Measure::default();
     let services = n + 1; // + default/kubernetes
     m.full_s = p.wait_line(o.timeout, |l| {
@@ -339,7 +446,7 @@ fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: us
         rt.block_on(change_one(client, n / 2, o.endpoints, 0));
     }
     m.peak_mib = p.peak_rss_mib();
-    let listing = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "list", "map", "ip", "clusterip", "service-ips"]).output();
+    let listing = command("ip").args(["netns", "exec", &ns.0, "nft", "list", "map", "ip", "clusterip", "service-ips"]).output();
     if let Ok(out) = listing {
         let elems = String::from_utf8_lossy(&out.stdout).matches("goto").count();
         eprintln!("bench: ours programmed {elems} service-ips elements for {n} Services");
@@ -348,7 +455,7 @@ fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: us
 }
 
 fn run_kube_proxy(o: &Opts, kp: &str, rt: &tokio::runtime::Runtime, client: &kube::Client, n: usize, change: bool, server: &str) -> Measure {
-    let ns = Netns::new("kp");
+    let ns = Netns::new("benchkp");
     let port = forwarder(&ns.0, server.to_string());
     let kc_text = std::fs::read_to_string(&o.kubeconfig).expect("kubeconfig");
     let kc_path = std::env::temp_dir().join(format!("clusterip-bench-kp-{}.kubeconfig", std::process::id()));
@@ -358,12 +465,22 @@ fn run_kube_proxy(o: &Opts, kp: &str, rt: &tokio::runtime::Runtime, client: &kub
         .collect::<Vec<_>>()
         .join("\n");
     std::fs::write(&kc_path, rewritten).expect("write kubeconfig");
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &ns.0, kp, "--proxy-mode=nftables", "--hostname-override=bench-node", "--v=2"])
-        .arg(format!("--kubeconfig={}", kc_path.display()))
-        .args(["--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0"])
-        .args(["--healthz-bind-address=127.0.0.1:10256", "--metrics-bind-address=127.0.0.1:10249"]);
-    let mut p = Proc::spawn(cmd, Some(std::env::temp_dir().join(format!("clusterip-bench-kube-proxy-{n}.log"))));
+    let args: Vec<String> = ["netns", "exec", &ns.0, kp, "--proxy-mode=nftables", "--hostname-override=bench-node", "--v=2"]
+        .into_iter()
+        .map(str::to_string)
+        .chain([format!("--kubeconfig={}", kc_path.display())])
+        .chain(
+            ["--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0"]
+                .into_iter()
+                .map(str::to_string),
+        )
+        .chain(["--healthz-bind-address=127.0.0.1:10256", "--metrics-bind-address=127.0.0.1:10249"].into_iter().map(str::to_string))
+        // kube-proxy's default -999 would make the kernel pick anything else first when
+        // the machine runs out of memory.
+        .chain(["--oom-score-adj=0".to_string()])
+        .collect();
+    let p = proxy_command(o, "ip", &args, kp);
+    let mut p = Proc::spawn(p, Some(std::env::temp_dir().join(format!("clusterip-bench-kube-proxy-{n}.log"))));
     let mut m = Measure::default();
     let complete = |l: &str| -> Option<f64> {
         if l.contains("SyncProxyRules complete") && l.contains("ipFamily=\"IPv4\"") {

@@ -59,7 +59,7 @@ fn main() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     for n in sizes {
-        let ns = common::Netns::new("cipsyn");
+        let ns = common::Netns::new("syn");
         let exec = Executor::in_netns(&ns.name).expect("netns");
         let mut p = NftablesProxier::new(exec, RenderOptions::default(), DEFAULT_MAX_OPS);
         let services: Vec<_> = (0..n).map(|i| service(i, 0)).collect();

@@ -32,12 +32,18 @@ pub enum ExecError {
 /// the process: spawn from a thread that outlives the child (the agent runs its tools from
 /// the sync thread, or from the main thread for `--cleanup`, and waits for each of them).
 pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
+    die_with_parent_by(cmd, libc::SIGKILL)
+}
+
+/// [`die_with_parent`] with another signal: SIGTERM for a child that must clean up after
+/// itself (a wrapper that stops its own child and removes its cgroup).
+pub fn die_with_parent_by(cmd: &mut Command, signal: libc::c_int) -> &mut Command {
     let parent = std::process::id() as libc::pid_t;
     // SAFETY: prctl(2), getppid(2) and _exit(2) are async-signal-safe; the closure runs in
     // the forked child only and touches no memory of the parent.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if libc::getppid() != parent {

@@ -394,6 +394,7 @@ fn sigkilled_test_run_is_reaped() {
 /// Does nothing unless CLUSTERIP_REAP_VICTIM_READY names the file to write.
 #[test]
 #[ignore = "run by sigkilled_test_run_is_reaped"]
+#[allow(clippy::zombie_processes)] // (left running on purpose: the reap is what ends them)
 fn victim_of_reap_test() {
     let Ok(ready) = std::env::var("CLUSTERIP_REAP_VICTIM_READY") else {
         eprintln!("victim_of_reap_test: CLUSTERIP_REAP_VICTIM_READY unset; nothing to do");

@@ -12,8 +12,9 @@
 #   BENCH_CHANGE_AT     size at which one changed Service is timed (default 10000)
 #   BENCH_TIMEOUT_S     give up waiting for one full sync after this (default 1800)
 #   BENCH_MEM_CAP_MIB   memory limit of each proxy (kube-proxy, clusterip-agent), through
-#                       scripts/lib/run-capped.sh (default 2048; both peak near 260 MiB at
-#                       10k Services). Without that script the proxies run uncapped.
+#                       scripts/lib/run-capped.sh (default 2048; at 10k Services the cgroups
+#                       peak near 520 MiB, kube-proxy, and 340 MiB, clusterip-agent).
+#                       Without that script the proxies run uncapped, with a warning.
 #   BENCH_CLUSTER_DIR   reuse a running dev cluster (state dir of scripts/dev-cluster.sh);
 #                       default: a private plain cluster, stopped at the end
 #   KUBE_PROXY          kube-proxy binary (default: the one built by

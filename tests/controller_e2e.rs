@@ -275,6 +275,23 @@ async fn admission_cases(backend: &str, slice: Slice) {
     // Malformed: named.
     expect_422(&api, &service("bad", |s| s.cluster_ip = Some("198.19.010.5".into())), "198.19.010.5").await;
 
+    // Nothing a user sets beyond the spec steers admission: the annotation earlier versions
+    // trusted (and added to every Service), naming an address outside our ranges, does not
+    // get it past us.
+    let mut annotated = service("annotated", |s| s.cluster_ip = Some("198.19.200.9".into()));
+    annotated.metadata.annotations = Some([("clusterip.allocator/reserved".to_string(), "198.19.200.9".to_string())].into());
+    expect_422(&api, &annotated, &format!("The range of valid IPs is {}", slice.v4())).await;
+
+    // A family upgrade on UPDATE gets its second address from our ranges, and keeps the first.
+    let single = api.create(&PostParams::default(), &service("upgrade", |_| {})).await.expect("single-stack");
+    let first = ips(&single)[0];
+    let patch = kube::api::Patch::Merge(json!({"spec": {"ipFamilyPolicy": "RequireDualStack"}}));
+    let dual = api.patch("upgrade", &kube::api::PatchParams::default(), &patch).await.expect("upgrade to RequireDualStack");
+    let got = ips(&dual);
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[0], first);
+    assert!(got[1].is_ipv6() && wh.in_dynamic_band(got[1]), "the added address {} is not from our range {}", got[1], slice.v6());
+
     // Headless and ExternalName: untouched.
     let svc = api.create(&PostParams::default(), &service("headless", |s| s.cluster_ip = Some("None".into()))).await.expect("headless");
     assert_eq!(svc.spec.and_then(|s| s.cluster_ip).as_deref(), Some("None"));

@@ -15,6 +15,7 @@ pub mod etcd;
 pub mod etcd_pool;
 pub mod ipaddress;
 pub mod legacy;
+pub mod memory;
 pub mod metered;
 mod ranges;
 pub mod reservations;

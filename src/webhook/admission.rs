@@ -1,6 +1,13 @@
 //! Admission of Services: the mutating side assigns ClusterIPs from our ranges and reserves
 //! them; the validating side rejects addresses we cannot honour. Answers carry Kubernetes'
 //! status codes and words (422 Invalid on `spec.clusterIPs`, 500 when a range is full).
+//!
+//! A request is judged only by the Service spec it carries and, for an UPDATE, the stored
+//! object the kube-apiserver sends with it (`oldObject`): nothing a user can set beyond the
+//! spec (labels, annotations) changes the decision. Every address a request adds — on
+//! CREATE, and on an UPDATE that turns ExternalName into another type or upgrades to two
+//! families — comes from our ranges; addresses the stored object already holds are kept as
+//! they are (the apiserver refuses changes to them itself).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -18,8 +25,9 @@ use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::clusterips::{self, Decision, FieldError, Plan, Want};
 
-/// Annotation our mutating webhook puts on a Service whose addresses it reserved, so the
-/// validating webhook can tell our reservation from another owner's.
+/// Annotation that earlier versions put on every Service they assigned addresses to. It is
+/// user-settable, so admission never reads it; the repair pass still reads it on old
+/// Services for one narrow case (see docs/repair.md).
 pub const RESERVED_ANNOTATION: &str = "clusterip.allocator/reserved";
 
 /// Dynamic candidates skipped because the cluster already records them, per request.
@@ -104,22 +112,47 @@ fn requested_ips(svc: &Service) -> Vec<String> {
     }
 }
 
-fn needs_addresses(req: &AdmissionRequest<Service>) -> bool {
-    match req.operation {
-        Operation::Create => true,
-        // An ExternalName Service turned into one that needs an address.
-        Operation::Update => {
-            let was_external = req.old_object.as_ref().and_then(|o| o.spec.as_ref()).and_then(|s| s.type_.as_deref()) == Some("ExternalName");
-            let is_external = req.object.as_ref().and_then(|o| o.spec.as_ref()).and_then(|s| s.type_.as_deref()) == Some("ExternalName");
-            was_external && !is_external
-        }
-        _ => false,
+/// The addresses the stored Service holds (an UPDATE's `oldObject`, which comes from
+/// storage, not from the user); none on CREATE or when it was ExternalName or headless.
+fn held_before(req: &AdmissionRequest<Service>) -> Vec<IpAddr> {
+    if req.operation != Operation::Update {
+        return Vec::new();
+    }
+    let Some(old) = req.old_object.as_ref() else { return Vec::new() };
+    if old.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
+        return Vec::new();
+    }
+    requested_ips(old).iter().filter_map(|t| crate::cidr::parse_ip(t).ok()).collect()
+}
+
+/// Whether an UPDATE's stored object is headless (`clusterIP: None`).
+fn was_headless(req: &AdmissionRequest<Service>) -> bool {
+    req.old_object.as_ref().and_then(|o| o.spec.as_ref()).and_then(|s| s.cluster_ip.as_deref()) == Some("None")
+}
+
+/// What a request asks of us: the plan for its Service, and which of the plan's addresses
+/// the stored object already holds (a prefix of it: kept, never reserved again).
+struct Work {
+    svc: Service,
+    plan: Plan,
+    held: Vec<IpAddr>,
+}
+
+impl Work {
+    /// The wants this request adds (after the held prefix).
+    fn added(&self) -> &[Want] {
+        &self.plan.wants[self.held.len().min(self.plan.wants.len())..]
     }
 }
 
-fn reserved_by_us(svc: &Service) -> Option<Vec<String>> {
-    let ann = svc.metadata.annotations.as_ref()?.get(RESERVED_ANNOTATION)?;
-    Some(ann.split(',').map(str::to_string).collect())
+/// Whether the plan keeps every address `held` in place (the same address, or "any" of
+/// the same family where the request left the field empty), so that it only adds.
+fn keeps(plan: &Plan, held: &[IpAddr]) -> bool {
+    held.len() <= plan.wants.len()
+        && held.iter().zip(&plan.wants).all(|(h, w)| match *w {
+            Want::Static(ip) => ip == *h,
+            Want::Dynamic(f) => Family::of(*h) == f,
+        })
 }
 
 impl Admission {
@@ -148,37 +181,47 @@ impl Admission {
         &self.store
     }
 
-    /// The plan for the request's Service, or the response that ends the request.
-    fn plan_for(&self, req: &AdmissionRequest<Service>) -> Result<Option<(Service, Plan)>, Box<AdmissionResponse>> {
-        if !needs_addresses(req) {
+    /// What the request asks of us, or None when it adds no address (an UPDATE that keeps
+    /// its addresses, or changes them — which the apiserver refuses itself), or the
+    /// response that ends the request.
+    fn work_for(&self, req: &AdmissionRequest<Service>) -> Result<Option<Work>, Box<AdmissionResponse>> {
+        if !matches!(req.operation, Operation::Create | Operation::Update) {
             return Ok(None);
         }
         let Some(svc) = req.object.clone() else {
             return Err(Box::new(AdmissionResponse::from(req).deny("the admission request carries no Service object")));
         };
         let spec = svc.spec.clone().unwrap_or_default();
-        match clusterips::plan(&spec, &families_of(self.store.as_ref())) {
-            Ok(Decision::NoAddress) => Ok(None),
-            Ok(Decision::Allocate(plan)) => Ok(Some((svc, plan))),
-            Err(errs) => Err(Box::new(invalid(req, &errs))),
+        let plan = match clusterips::plan(&spec, &families_of(self.store.as_ref())) {
+            Ok(Decision::NoAddress) => return Ok(None),
+            Ok(Decision::Allocate(plan)) => plan,
+            // On UPDATE the apiserver validates the whole spec itself; we only speak for
+            // what a create asks.
+            Err(_) if req.operation == Operation::Update => return Ok(None),
+            Err(errs) => return Err(Box::new(invalid(req, &errs))),
+        };
+        if req.operation == Operation::Update && was_headless(req) {
+            // Headless stays headless: the apiserver refuses the change itself.
+            return Ok(None);
         }
+        let held = held_before(req);
+        if !keeps(&plan, &held) || plan.wants.len() == held.len() {
+            return Ok(None);
+        }
+        Ok(Some(Work { svc, plan, held }))
     }
 
-    /// Mutating admission: reserve the Service's addresses and patch them in.
+    /// Mutating admission: reserve the addresses the request adds and patch them in.
     pub async fn mutate(&self, req: &AdmissionRequest<Service>) -> AdmissionResponse {
-        let (svc, plan) = match self.plan_for(req) {
-            Ok(Some(p)) => p,
+        let work = match self.work_for(req) {
+            Ok(Some(w)) => w,
             Ok(None) => return AdmissionResponse::from(req),
             Err(resp) => return *resp,
         };
-        if reserved_by_us(&svc).is_some() && !requested_ips(&svc).is_empty() {
-            // Re-invocation of an already mutated object: nothing more to do.
-            return AdmissionResponse::from(req);
-        }
-        let requested = requested_ips(&svc);
+        let requested = requested_ips(&work.svc);
         if req.dry_run {
             // Reserve nothing; requested addresses are still checked.
-            return match self.check_static(req, &plan, &requested, None).await {
+            return match self.check_static(req, &work, &requested, true).await {
                 Some(resp) => resp,
                 None => AdmissionResponse::from(req),
             };
@@ -186,7 +229,7 @@ impl Admission {
         let namespace = req.namespace.clone().unwrap_or_else(|| "default".into());
         let parent = ParentRef::service(&namespace, &service_name(req));
         let mut got: Vec<IpAddr> = Vec::new();
-        for want in &plan.wants {
+        for want in work.added() {
             let result = match *want {
                 Want::Static(ip) if self.recorded_elsewhere(ip) => Err((Some(ip), StoreError::Alloc(crate::alloc::AllocError::Allocated))),
                 Want::Static(ip) => self.store.allocate(ip, Some(&parent)).await.map(|()| ip).map_err(|e| (Some(ip), e)),
@@ -207,17 +250,14 @@ impl Admission {
                 }
             }
         }
-        let ips: Vec<String> = got.iter().map(|ip| ip.to_string()).collect();
-        let mut ops = vec![
+        let plan = &work.plan;
+        let ips: Vec<String> = work.held.iter().chain(&got).map(|ip| ip.to_string()).collect();
+        let ops = vec![
             json!({"op": "add", "path": "/spec/clusterIP", "value": ips[0]}),
             json!({"op": "add", "path": "/spec/clusterIPs", "value": ips}),
             json!({"op": "add", "path": "/spec/ipFamilies", "value": clusterips::family_names(&plan.families)}),
             json!({"op": "add", "path": "/spec/ipFamilyPolicy", "value": plan.policy}),
         ];
-        if svc.metadata.annotations.is_none() {
-            ops.push(json!({"op": "add", "path": "/metadata/annotations", "value": {}}));
-        }
-        ops.push(json!({"op": "add", "path": "/metadata/annotations/clusterip.allocator~1reserved", "value": ips.join(",")}));
         let patch: json_patch::Patch = match serde_json::from_value(serde_json::Value::Array(ops)) {
             Ok(p) => p,
             Err(e) => {
@@ -243,35 +283,36 @@ impl Admission {
         }
     }
 
-    /// Validating admission: requested addresses must be in our ranges and free (or
-    /// reserved for this Service by our mutating webhook).
+    /// Validating admission: every address the request adds must lie in our ranges. Whether
+    /// it is free is not judged here: our mutating webhook has reserved it for this very
+    /// request (so our records hold it), and the kube-apiserver's own IPAddress record refuses
+    /// an address another Service holds with the same words.
     pub async fn validate(&self, req: &AdmissionRequest<Service>) -> AdmissionResponse {
-        let (svc, plan) = match self.plan_for(req) {
-            Ok(Some(p)) => p,
+        let work = match self.work_for(req) {
+            Ok(Some(w)) => w,
             Ok(None) => return AdmissionResponse::from(req),
             Err(resp) => return *resp,
         };
-        let requested = requested_ips(&svc);
-        let ours = reserved_by_us(&svc);
-        match self.check_static(req, &plan, &requested, ours.as_deref()).await {
+        let requested = requested_ips(&work.svc);
+        match self.check_static(req, &work, &requested, false).await {
             Some(resp) => resp,
             None => AdmissionResponse::from(req),
         }
     }
 
-    /// Range and ownership checks of the requested addresses, reserving nothing.
-    async fn check_static(&self, req: &AdmissionRequest<Service>, plan: &Plan, requested: &[String], reserved: Option<&[String]>) -> Option<AdmissionResponse> {
+    /// Range checks of the requested addresses the request adds, and with `taken` whether
+    /// something already holds them; reserves nothing.
+    async fn check_static(&self, req: &AdmissionRequest<Service>, work: &Work, requested: &[String], taken: bool) -> Option<AdmissionResponse> {
         let ranges = self.store.ranges();
-        for want in &plan.wants {
+        for want in work.added() {
             let Want::Static(ip) = *want else { continue };
-            let text = ip.to_string();
-            if reserved.map(|r| r.contains(&text)).unwrap_or(false) {
-                continue;
-            }
             if !ranges.iter().any(|c| c.contains(ip)) {
                 let valid: Vec<String> = ranges.iter().filter(|c| c.family() == Family::of(ip)).map(|c| c.to_string()).collect();
                 let err = StoreError::Alloc(crate::alloc::AllocError::NotInRange { ip, valid_range: valid.join(", ") });
                 return Some(static_failure(req, requested, ip, &err));
+            }
+            if !taken {
+                continue;
             }
             match self.store.has(ip).await.map(|has| has || self.recorded_elsewhere(ip)) {
                 Ok(true) => return Some(static_failure(req, requested, ip, &StoreError::Alloc(crate::alloc::AllocError::Allocated))),
@@ -280,5 +321,142 @@ impl Admission {
             }
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cidr::ServiceCidr;
+    use crate::store::memory::MemoryStore;
+    use serde_json::Value;
+
+    const V4: &str = "198.19.0.0/24";
+    const V6: &str = "fd00:10:96::/120";
+
+    fn admission() -> (Admission, Arc<MemoryStore>) {
+        let store = Arc::new(MemoryStore::new(vec![ServiceCidr::parse(V4).expect("v4"), ServiceCidr::parse(V6).expect("v6")]));
+        (Admission::new(store.clone(), None), store)
+    }
+
+    /// An AdmissionRequest as the kube-apiserver sends it.
+    fn request(operation: &str, object: Value, old: Option<Value>) -> AdmissionRequest<Service> {
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Service"},
+                "resource": {"group": "", "version": "v1", "resource": "services"},
+                "name": "web", "namespace": "default", "operation": operation,
+                "userInfo": {"username": "admin"}, "object": object, "oldObject": old, "dryRun": false
+            }
+        });
+        super::super::server::parse_review(review.to_string().as_bytes()).expect("review")
+    }
+
+    fn service(spec: Value, annotations: Value) -> Value {
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "default", "annotations": annotations}, "spec": spec})
+    }
+
+    /// The patch of an allowed answer, as (path, value) pairs.
+    fn patched(resp: &AdmissionResponse) -> Vec<(String, Value)> {
+        assert!(resp.allowed, "denied: {:?}", resp.result);
+        let Some(patch) = resp.patch.as_ref() else { return Vec::new() };
+        let ops: Vec<Value> = serde_json::from_slice(patch).expect("JSON patch");
+        ops.iter().map(|op| (op["path"].as_str().unwrap_or_default().to_string(), op["value"].clone())).collect()
+    }
+
+    fn value<'a>(patch: &'a [(String, Value)], path: &str) -> &'a Value {
+        &patch.iter().find(|(p, _)| p == path).unwrap_or_else(|| panic!("no {path} in {patch:?}")).1
+    }
+
+    #[tokio::test]
+    async fn a_create_gets_an_address_of_ours_and_no_annotation() {
+        let (adm, store) = admission();
+        let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
+        let patch = patched(&resp);
+        let ip: IpAddr = value(&patch, "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
+        assert!(ServiceCidr::parse(V4).expect("v4").contains(ip));
+        assert!(store.has(ip).await.expect("has"), "reserved");
+        assert!(patch.iter().all(|(p, _)| !p.starts_with("/metadata")), "{patch:?}");
+    }
+
+    #[tokio::test]
+    async fn an_annotation_set_by_hand_steers_nothing() {
+        let (adm, store) = admission();
+        let ip: IpAddr = "198.19.0.7".parse().expect("ip");
+        // The annotation earlier versions trusted, naming the requested address: the
+        // address is still reserved (and so never handed out to anyone else).
+        let svc = service(json!({"clusterIP": "198.19.0.7", "ports": [{"port": 80}]}), json!({RESERVED_ANNOTATION: "198.19.0.7"}));
+        let resp = adm.mutate(&request("CREATE", svc.clone(), None)).await;
+        assert!(resp.allowed, "{:?}", resp.result);
+        assert!(store.has(ip).await.expect("has"), "the requested address was not reserved");
+        // A second Service asking for it, with the same annotation copied, is refused.
+        let resp = adm.mutate(&request("CREATE", svc, None)).await;
+        assert!(!resp.allowed);
+        assert_eq!(resp.result.code, 422);
+        assert!(resp.result.message.contains("provided IP is already allocated"), "{}", resp.result.message);
+    }
+
+    #[tokio::test]
+    async fn a_family_upgrade_adds_an_address_of_ours_and_keeps_the_first() {
+        let (adm, store) = admission();
+        let old = service(json!({"clusterIP": "198.19.0.40", "clusterIPs": ["198.19.0.40"], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "ports": [{"port": 80}]}), json!({}));
+        let mut new = old.clone();
+        new["spec"]["ipFamilyPolicy"] = json!("RequireDualStack");
+        let patch = patched(&adm.mutate(&request("UPDATE", new, Some(old))).await);
+        let ips = value(&patch, "/spec/clusterIPs").as_array().expect("clusterIPs").clone();
+        assert_eq!(ips[0], "198.19.0.40");
+        let v6: IpAddr = ips[1].as_str().expect("v6").parse().expect("ip");
+        assert!(ServiceCidr::parse(V6).expect("v6").contains(v6), "{v6}");
+        assert_eq!(value(&patch, "/spec/ipFamilies"), &json!(["IPv4", "IPv6"]));
+        // Only the new address was reserved: the kept one is the stored object's already.
+        assert_eq!(store.allocated().await.expect("allocated"), vec![v6]);
+    }
+
+    #[tokio::test]
+    async fn updates_that_add_nothing_or_change_held_addresses_are_left_alone() {
+        let (adm, store) = admission();
+        let old = service(json!({"clusterIP": "198.19.0.40", "clusterIPs": ["198.19.0.40"], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "ports": [{"port": 80}]}), json!({}));
+        // A label change: nothing to add.
+        let mut same = old.clone();
+        same["metadata"]["labels"] = json!({"a": "b"});
+        assert!(patched(&adm.mutate(&request("UPDATE", same, Some(old.clone()))).await).is_empty());
+        // A changed primary address: the apiserver refuses it ("field is immutable"); we
+        // reserve nothing for a request that will fail.
+        let mut moved = old.clone();
+        moved["spec"]["clusterIP"] = json!("198.19.0.41");
+        moved["spec"]["clusterIPs"] = json!(["198.19.0.41"]);
+        assert!(patched(&adm.mutate(&request("UPDATE", moved, Some(old))).await).is_empty());
+        // Headless stays headless.
+        let headless = service(json!({"clusterIP": "None", "clusterIPs": ["None"], "ports": [{"port": 80}]}), json!({}));
+        let mut unheaded = headless.clone();
+        unheaded["spec"]["clusterIP"] = json!("");
+        unheaded["spec"]["clusterIPs"] = json!([]);
+        assert!(patched(&adm.mutate(&request("UPDATE", unheaded, Some(headless))).await).is_empty());
+        assert!(store.allocated().await.expect("allocated").is_empty());
+    }
+
+    #[tokio::test]
+    async fn externalname_to_clusterip_gets_an_address_of_ours() {
+        let (adm, _) = admission();
+        let old = service(json!({"type": "ExternalName", "externalName": "example.invalid"}), json!({}));
+        let new = service(json!({"type": "ClusterIP", "ports": [{"port": 80}]}), json!({}));
+        let patch = patched(&adm.mutate(&request("UPDATE", new, Some(old))).await);
+        let ip: IpAddr = value(&patch, "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
+        assert!(ServiceCidr::parse(V4).expect("v4").contains(ip));
+    }
+
+    #[tokio::test]
+    async fn validation_judges_the_range_of_added_addresses_only() {
+        let (adm, store) = admission();
+        // Reserved by our mutating webhook for this very request: allowed.
+        store.allocate("198.19.0.9".parse().expect("ip"), None).await.expect("reserve");
+        let ours = service(json!({"clusterIP": "198.19.0.9", "ports": [{"port": 80}]}), json!({}));
+        assert!(adm.validate(&request("CREATE", ours, None)).await.allowed);
+        // Outside our ranges: Kubernetes' words.
+        let out = service(json!({"clusterIP": "198.19.200.5", "ports": [{"port": 80}]}), json!({}));
+        let resp = adm.validate(&request("CREATE", out, None)).await;
+        assert_eq!(resp.result.code, 422);
+        assert!(resp.result.message.contains("the provided IP (198.19.200.5) is not in the valid range. The range of valid IPs is 198.19.0.0/24"), "{}", resp.result.message);
     }
 }

@@ -36,6 +36,10 @@ child=
 cleanup() {
   local rc=$? peak oom
   trap - EXIT INT TERM HUP
+  # Whoever read our stderr may be gone (a killed bench): a message must not end the
+  # clean-up (SIGPIPE, or set -e on a failed write) before the cgroup is removed.
+  trap '' PIPE
+  set +e
   if [ -n "$child" ] && kill -0 "$child" 2>/dev/null; then
     disown "$child" 2>/dev/null || true   # (no "Killed" job notice from bash)
     kill -TERM "$child" 2>/dev/null || true

@@ -73,17 +73,20 @@ caps_now() { find "$CGROUP_MEMORY_ROOT" -type d -name 'clusterip-cap-*' 2>/dev/n
 leftovers() {
   local log=$1 x pid start p
   grep -h 'leftover process killed' "$log" || true
-  # Still in this soak's cgroup tree: anything but this script, this subshell and the load.
-  # (The listing's own helpers have ended once mapfile returns; exited ones are not alive.)
+  # Still in this soak's cgroup tree: anything but this script, this subshell, their own
+  # helpers (the listing's process substitution may still be exiting when mapfile returns:
+  # a child of ours, while anything a run left behind has been reparented away from us) and
+  # the load.
   if [ -n "${CLUSTERIP_RUN_CGROUP:-}" ]; then
     local procs stat
     mapfile -t procs < <(cgroup_tree_procs "$CLUSTERIP_RUN_CGROUP")
     for p in "${procs[@]}"; do
       [ "$p" = $$ ] || [ "$p" = "$BASHPID" ] || ! pid_alive "$p" && continue
-      # The load's process group (field 5 of /proc/<pid>/stat).
-      if [ -n "$load_pid" ] && { read -r stat < "/proc/$p/stat"; } 2>/dev/null; then
+      # Fields after the command: state, ppid, pgrp (/proc/<pid>/stat fields 3, 4, 5).
+      if { read -r stat < "/proc/$p/stat"; } 2>/dev/null; then
         read -r -a stat <<< "${stat##*) }"
-        [ "${stat[2]}" = "$load_pid" ] && continue
+        [ "${stat[1]}" = $$ ] || [ "${stat[1]}" = "$BASHPID" ] && continue
+        [ -n "$load_pid" ] && [ "${stat[2]}" = "$load_pid" ] && continue
       fi
       echo "process still running: $(proc_desc "$p")"
     done

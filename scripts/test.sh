@@ -13,8 +13,9 @@
 # puts itself into a pids cgroup of its own (scripts/lib/run.sh) that every process it starts
 # inherits; its cluster is owned by it (a watchdog stops the cluster if this script is
 # killed), and at the end whatever is still running in the cgroup is killed and named
-# ("test: leftover process killed …"). If this script is SIGKILLed, the next
-# `scripts/dev-cluster.sh reap` (or the next run) removes everything of this run.
+# ("test: leftover process killed …"). INT/TERM/HUP end the run at once (the suite is
+# killed, not waited for). If this script is SIGKILLed, the next `scripts/dev-cluster.sh
+# reap` (or the next run) removes everything of this run.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -43,10 +44,16 @@ export CLUSTERIP_PACKAGES_ENSURED=1
 # Compile first (no cluster needed), so a build error shows before anything starts.
 build_args=()
 for a in "$@"; do [ "$a" = -- ] && break; build_args+=("$a"); done
-cargo test --workspace --no-run "${build_args[@]}"
+# (Long steps run in the background and are waited for: bash runs a trap only once the
+# foreground command has ended, so a TERM from a CI timeout would otherwise wait for the
+# whole suite. `wait` returns at once on a signal; the EXIT trap then stops the cluster and
+# run_end kills what is left in this run's cgroup.)
+cargo test --workspace --no-run "${build_args[@]}" &
+wait $!
 
 CLUSTERIP_CONTROLLER=0 scripts/dev-cluster.sh up >/dev/null
 export CLUSTERIP_TEST_CLUSTER=$CLUSTERIP_CLUSTER_DIR
 export CLUSTERIP_KUBECONFIG=$CLUSTERIP_CLUSTER_DIR/kubeconfig
 
-cargo test --workspace --no-fail-fast "$@"
+cargo test --workspace --no-fail-fast "$@" &
+wait $!

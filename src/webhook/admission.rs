@@ -303,6 +303,12 @@ impl Admission {
     /// request (so our records hold it), and the kube-apiserver's own IPAddress record refuses
     /// an address another Service holds with the same words.
     pub async fn validate(&self, req: &AdmissionRequest<Service>) -> AdmissionResponse {
+        if req.dry_run {
+            // Nothing is stored. The mutating side has checked what the user asked for; the
+            // addresses here are the apiserver's dry-run placeholders (the network address
+            // of its range), which stock Kubernetes returns as they are.
+            return AdmissionResponse::from(req);
+        }
         let work = match self.work_for(req) {
             Ok(Some(w)) => w,
             Ok(None) => return AdmissionResponse::from(req),
@@ -470,10 +476,12 @@ mod tests {
         let details = resp.result.details.as_ref().expect("details");
         assert_eq!((details.kind.as_str(), details.name.as_str()), ("Service", "web"));
         assert_eq!(details.causes[0].reason, "FieldValueInvalid");
-        // A dry run says it the way Kubernetes' dry-run allocator does: with the range.
+        // A dry run (refused by the mutating side, the validating side judges none) says it
+        // the way Kubernetes' dry-run allocator does: with the range.
         let mut req = request("CREATE", out, None);
         req.dry_run = true;
-        let resp = adm.validate(&req).await;
+        assert!(adm.validate(&req).await.allowed);
+        let resp = adm.mutate(&req).await;
         assert!(resp.result.message.contains("the provided IP (198.19.200.5) is not in the valid range. The range of valid IPs is 198.19.0.0/24"), "{}", resp.result.message);
     }
 }

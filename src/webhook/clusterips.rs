@@ -182,7 +182,7 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
     if ips.len() > 2 {
         errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "may only hold up to 2 values"));
     }
-    if bad_ips {
+    if bad_ips || ips.len() > 2 {
         return Err(errs);
     }
     if ips.len() > 1 && !(parsed.len() == 2 && Family::of(parsed[0]) != Family::of(parsed[1])) {

@@ -30,6 +30,10 @@ use offsets::OffsetSet;
 pub enum AllocError {
     #[error("the provided IP ({ip}) is not in the valid range. The range of valid IPs is {valid_range}")]
     NotInRange { ip: IpAddr, valid_range: String },
+    /// An address in none of the configured ranges, as Kubernetes' multi-range allocator
+    /// (one per ServiceCIDR) says it; its single-range and dry-run paths say `NotInRange`.
+    #[error("the provided network does not match the current range")]
+    MismatchedNetwork,
     #[error("provided IP is already allocated")]
     Allocated,
     #[error("range is full")]

@@ -19,6 +19,7 @@ use kube::core::Status;
 use serde_json::json;
 use tracing::{debug, warn};
 
+use crate::alloc::AllocError;
 use crate::cidr::Family;
 use crate::store::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, ParentRef, StoreError};
@@ -62,7 +63,7 @@ fn deny(req: &AdmissionRequest<Service>, code: u16, reason: &str, message: Strin
         reason: reason.into(),
         details: Some(StatusDetails {
             name: service_name(req),
-            kind: "services".into(),
+            kind: "Service".into(),
             causes,
             group: String::new(),
             uid: String::new(),
@@ -78,7 +79,7 @@ fn invalid(req: &AdmissionRequest<Service>, errs: &[FieldError]) -> AdmissionRes
     let message = if errs.len() == 1 { format!("Service \"{name}\" is invalid: {list}") } else { format!("Service \"{name}\" is invalid: [{list}]") };
     let causes = errs
         .iter()
-        .map(|e| StatusCause { field: e.field.clone(), message: e.message.clone(), reason: "FieldValueInvalid".into() })
+        .map(|e| StatusCause { field: e.field.clone(), message: e.message.clone(), reason: e.reason.into() })
         .collect();
     deny(req, 422, "Invalid", message, causes)
 }
@@ -90,16 +91,18 @@ fn service_name(req: &AdmissionRequest<Service>) -> String {
         .unwrap_or_else(|| req.name.clone())
 }
 
-/// Kubernetes' rendering of a string slice in an Invalid value: `[]string{"a", "b"}`.
-fn go_slice(ips: &[String]) -> String {
-    format!("[]string{{{}}}", ips.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "))
-}
-
 /// The 422 for a requested address that cannot be had: Kubernetes reports it on
-/// `spec.clusterIPs` with the whole slice as the value.
+/// `spec.clusterIPs` with the whole slice as the value. An address outside every range is
+/// "the provided network does not match the current range" on a real request (Kubernetes'
+/// allocator over its ServiceCIDRs) and "not in the valid range" with the range on a dry
+/// run (Kubernetes' dry-run allocator checks the family's primary range only).
 fn static_failure(req: &AdmissionRequest<Service>, requested: &[String], ip: IpAddr, err: &StoreError) -> AdmissionResponse {
-    let msg = format!("Invalid value: {}: failed to allocate IP {ip}: {err}", go_slice(requested));
-    invalid(req, &[FieldError { field: "spec.clusterIPs".into(), message: msg }])
+    let mismatched = StoreError::Alloc(AllocError::MismatchedNetwork);
+    let err = match err {
+        StoreError::Alloc(AllocError::NotInRange { .. }) if !req.dry_run => &mismatched,
+        other => other,
+    };
+    invalid(req, &[FieldError::invalid("spec.clusterIPs", &clusterips::strings_value(requested), format!("failed to allocate IP {ip}: {err}"))])
 }
 
 fn requested_ips(svc: &Service) -> Vec<String> {
@@ -220,8 +223,9 @@ impl Admission {
         };
         let requested = requested_ips(&work.svc);
         if req.dry_run {
-            // Reserve nothing; requested addresses are still checked.
-            return match self.check_static(req, &work, &requested, true).await {
+            // Reserve nothing; requested addresses are checked against the ranges only, as
+            // Kubernetes' dry-run allocator does (whether they are taken is not judged).
+            return match self.check_static(req, &work, &requested).await {
                 Some(resp) => resp,
                 None => AdmissionResponse::from(req),
             };
@@ -231,7 +235,7 @@ impl Admission {
         let mut got: Vec<IpAddr> = Vec::new();
         for want in work.added() {
             let result = match *want {
-                Want::Static(ip) if self.recorded_elsewhere(ip) => Err((Some(ip), StoreError::Alloc(crate::alloc::AllocError::Allocated))),
+                Want::Static(ip) if self.recorded_elsewhere(ip) => Err((Some(ip), StoreError::Alloc(AllocError::Allocated))),
                 Want::Static(ip) => self.store.allocate(ip, Some(&parent)).await.map(|()| ip).map_err(|e| (Some(ip), e)),
                 Want::Dynamic(family) => self.allocate_dynamic(family, &parent).await.map_err(|e| (None, e)),
             };
@@ -251,7 +255,18 @@ impl Admission {
             }
         }
         let plan = &work.plan;
-        let ips: Vec<String> = work.held.iter().chain(&got).map(|ip| ip.to_string()).collect();
+        // A requested address keeps the user's spelling (`fd00:10:96:0::5` stays so, as in
+        // stock Kubernetes); a chosen one is written canonically.
+        let ips: Vec<String> = work
+            .held
+            .iter()
+            .chain(&got)
+            .enumerate()
+            .map(|(i, ip)| match (work.plan.wants.get(i), requested.get(i)) {
+                (Some(Want::Static(_)), Some(text)) => text.clone(),
+                _ => ip.to_string(),
+            })
+            .collect();
         let ops = vec![
             json!({"op": "add", "path": "/spec/clusterIP", "value": ips[0]}),
             json!({"op": "add", "path": "/spec/clusterIPs", "value": ips}),
@@ -288,36 +303,33 @@ impl Admission {
     /// request (so our records hold it), and the kube-apiserver's own IPAddress record refuses
     /// an address another Service holds with the same words.
     pub async fn validate(&self, req: &AdmissionRequest<Service>) -> AdmissionResponse {
+        if req.dry_run {
+            // Nothing is stored. The mutating side has checked what the user asked for; the
+            // addresses here are the apiserver's dry-run placeholders (the network address
+            // of its range), which stock Kubernetes returns as they are.
+            return AdmissionResponse::from(req);
+        }
         let work = match self.work_for(req) {
             Ok(Some(w)) => w,
             Ok(None) => return AdmissionResponse::from(req),
             Err(resp) => return *resp,
         };
         let requested = requested_ips(&work.svc);
-        match self.check_static(req, &work, &requested, false).await {
+        match self.check_static(req, &work, &requested).await {
             Some(resp) => resp,
             None => AdmissionResponse::from(req),
         }
     }
 
-    /// Range checks of the requested addresses the request adds, and with `taken` whether
-    /// something already holds them; reserves nothing.
-    async fn check_static(&self, req: &AdmissionRequest<Service>, work: &Work, requested: &[String], taken: bool) -> Option<AdmissionResponse> {
+    /// Range checks of the requested addresses the request adds; reserves nothing.
+    async fn check_static(&self, req: &AdmissionRequest<Service>, work: &Work, requested: &[String]) -> Option<AdmissionResponse> {
         let ranges = self.store.ranges();
         for want in work.added() {
             let Want::Static(ip) = *want else { continue };
             if !ranges.iter().any(|c| c.contains(ip)) {
                 let valid: Vec<String> = ranges.iter().filter(|c| c.family() == Family::of(ip)).map(|c| c.to_string()).collect();
-                let err = StoreError::Alloc(crate::alloc::AllocError::NotInRange { ip, valid_range: valid.join(", ") });
+                let err = StoreError::Alloc(AllocError::NotInRange { ip, valid_range: valid.join(", ") });
                 return Some(static_failure(req, requested, ip, &err));
-            }
-            if !taken {
-                continue;
-            }
-            match self.store.has(ip).await.map(|has| has || self.recorded_elsewhere(ip)) {
-                Ok(true) => return Some(static_failure(req, requested, ip, &StoreError::Alloc(crate::alloc::AllocError::Allocated))),
-                Ok(false) => {}
-                Err(e) => return Some(deny(req, 503, "ServiceUnavailable", format!("cannot check IP {ip}: {e}"), vec![])),
             }
         }
         None
@@ -455,8 +467,21 @@ mod tests {
         assert!(adm.validate(&request("CREATE", ours, None)).await.allowed);
         // Outside our ranges: Kubernetes' words.
         let out = service(json!({"clusterIP": "198.19.200.5", "ports": [{"port": 80}]}), json!({}));
-        let resp = adm.validate(&request("CREATE", out, None)).await;
+        let resp = adm.validate(&request("CREATE", out.clone(), None)).await;
         assert_eq!(resp.result.code, 422);
+        assert_eq!(
+            resp.result.message,
+            "Service \"web\" is invalid: spec.clusterIPs: Invalid value: [\"198.19.200.5\"]: failed to allocate IP 198.19.200.5: the provided network does not match the current range"
+        );
+        let details = resp.result.details.as_ref().expect("details");
+        assert_eq!((details.kind.as_str(), details.name.as_str()), ("Service", "web"));
+        assert_eq!(details.causes[0].reason, "FieldValueInvalid");
+        // A dry run (refused by the mutating side, the validating side judges none) says it
+        // the way Kubernetes' dry-run allocator does: with the range.
+        let mut req = request("CREATE", out, None);
+        req.dry_run = true;
+        assert!(adm.validate(&req).await.allowed);
+        let resp = adm.mutate(&req).await;
         assert!(resp.result.message.contains("the provided IP (198.19.200.5) is not in the valid range. The range of valid IPs is 198.19.0.0/24"), "{}", resp.result.message);
     }
 }

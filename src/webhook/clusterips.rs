@@ -39,23 +39,73 @@ pub enum Decision {
     Allocate(Plan),
 }
 
-/// A field error, as Kubernetes reports it in a 422 Status (`details.causes`).
+/// A field error, as Kubernetes reports it in a 422 Status (`details.causes`): the field
+/// path, the cause reason (`FieldValueInvalid`, `FieldValueNotSupported`, …) and the message
+/// in Kubernetes' rendering (`Invalid value: <value>: <detail>`, values as JSON the way
+/// v1.37's `field.Error` prints them: `"a"`, `["a","b"]`). The one home of these texts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldError {
     pub field: String,
+    pub reason: &'static str,
     pub message: String,
 }
 
 impl FieldError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { field: field.into(), message: message.into() }
+    /// `field.Invalid(path, value, detail)`.
+    pub fn invalid(field: impl Into<String>, value: &serde_json::Value, detail: impl std::fmt::Display) -> Self {
+        Self { field: field.into(), reason: "FieldValueInvalid", message: format!("Invalid value: {}: {detail}", render(value)) }
     }
+
+    /// `field.NotSupported(path, value, supported)`.
+    fn not_supported(field: impl Into<String>, value: &str, supported: &[&str]) -> Self {
+        let list = supported.iter().map(|s| render(&serde_json::Value::from(*s))).collect::<Vec<_>>().join(", ");
+        Self {
+            field: field.into(),
+            reason: "FieldValueNotSupported",
+            message: format!("Unsupported value: {}: supported values: {list}", render(&serde_json::Value::from(value))),
+        }
+    }
+
+    /// `field.Duplicate(path, value)`.
+    fn duplicate(field: impl Into<String>, value: &str) -> Self {
+        Self { field: field.into(), reason: "FieldValueDuplicate", message: format!("Duplicate value: {}", render(&serde_json::Value::from(value))) }
+    }
+}
+
+/// A value as Kubernetes v1.37 prints it in a field error: compact JSON.
+fn render(value: &serde_json::Value) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| value.to_string())
+}
+
+/// The string slice value of `spec.clusterIPs` in a field error.
+pub fn strings_value(items: &[String]) -> serde_json::Value {
+    serde_json::Value::from(items.to_vec())
 }
 
 impl std::fmt::Display for FieldError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.field, self.message)
     }
+}
+
+/// Why Kubernetes refuses `text` as an IP address (its `IsValidIP`), or None when it is one
+/// that we accept too. Kubernetes parses sloppily first (IPv4 octets with leading zeros
+/// parse), then refuses leading zeros and IPv4-mapped IPv6 addresses with their own words.
+pub fn invalid_ip_reason(text: &str) -> Option<&'static str> {
+    const NOT_AN_IP: &str = "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)";
+    if cidr::parse_ip(text).is_ok() {
+        return None;
+    }
+    if text.contains(':') {
+        return match text.parse::<std::net::Ipv6Addr>() {
+            Ok(v6) if v6.to_ipv4_mapped().is_some() => Some("must not be an IPv4-mapped IPv6 address"),
+            _ => Some(NOT_AN_IP),
+        };
+    }
+    let octets: Vec<&str> = text.split('.').collect();
+    let sloppy = octets.len() == 4
+        && octets.iter().all(|o| !o.is_empty() && o.len() <= 3 && o.bytes().all(|b| b.is_ascii_digit()) && o.parse::<u16>().map(|n| n <= 255).unwrap_or(false));
+    Some(if sloppy { "must not have leading 0s" } else { NOT_AN_IP })
 }
 
 fn family_name(f: Family) -> &'static str {
@@ -79,46 +129,26 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
     if spec.type_.as_deref() == Some("ExternalName") {
         return Ok(Decision::NoAddress);
     }
+    // Kubernetes' own validation first (`ValidateServiceClusterIPsRelatedFields`, in its
+    // order); its errors end the request before any allocation rule is looked at.
     let mut errs = Vec::new();
     let mut ips: Vec<String> = spec.cluster_ips.clone().unwrap_or_default();
     let single = spec.cluster_ip.clone().filter(|s| !s.is_empty());
     match (&single, ips.first()) {
+        // The apiserver fills clusterIPs from clusterIP before it looks at either.
         (Some(ip), None) => ips = vec![ip.clone()],
-        (Some(ip), Some(first)) if ip != first => errs.push(FieldError::new("spec.clusterIPs", "first value must match `clusterIP`")),
-        (None, Some(_)) => errs.push(FieldError::new("spec.clusterIPs", "must be empty when `clusterIP` is not specified")),
+        (Some(ip), Some(first)) if ip != first => errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "first value must match `clusterIP`")),
+        (None, Some(_)) => errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "must be empty when `clusterIP` is not specified")),
         _ => {}
     }
-    if ips.first().map(String::as_str) == Some("None") {
-        if ips.len() > 1 {
-            errs.push(FieldError::new("spec.clusterIPs", "'None' must be the first and only value"));
-            return Err(errs);
-        }
-        return if errs.is_empty() { Ok(Decision::NoAddress) } else { Err(errs) };
-    }
-    if ips.len() > 2 {
-        errs.push(FieldError::new("spec.clusterIPs", "may only hold up to 2 values"));
-    }
-    let mut parsed: Vec<IpAddr> = Vec::new();
-    for (i, text) in ips.iter().enumerate() {
-        match cidr::parse_ip(text) {
-            Ok(ip) => parsed.push(ip),
-            Err(e) => errs.push(FieldError::new(format!("spec.clusterIPs[{i}]"), format!("Invalid value: {text:?}: {e}"))),
-        }
-    }
-    if parsed.len() == 2 && Family::of(parsed[0]) == Family::of(parsed[1]) {
-        errs.push(FieldError::new("spec.clusterIPs[1]", "may specify no more than one IP for each IP family"));
-    }
-
     let mut families: Vec<Family> = Vec::new();
-    for (i, f) in spec.ip_families.clone().unwrap_or_default().iter().enumerate() {
+    let requested_families = spec.ip_families.clone().unwrap_or_default();
+    for (i, f) in requested_families.iter().enumerate() {
         match parse_family(f) {
-            None => errs.push(FieldError::new(format!("spec.ipFamilies[{i}]"), format!("Unsupported value: {f:?}: supported values: \"IPv4\", \"IPv6\""))),
-            Some(fam) if families.contains(&fam) => errs.push(FieldError::new(format!("spec.ipFamilies[{i}]"), format!("Duplicate value: {f:?}"))),
+            None => errs.push(FieldError::not_supported(format!("spec.ipFamilies[{i}]"), f, &["IPv4", "IPv6"])),
+            Some(fam) if families.contains(&fam) => errs.push(FieldError::duplicate(format!("spec.ipFamilies[{i}]"), f)),
             Some(fam) => families.push(fam),
         }
-    }
-    if families.len() > 2 {
-        errs.push(FieldError::new("spec.ipFamilies", "may only hold up to 2 values"));
     }
     let policy: &'static str = match spec.ip_family_policy.as_deref() {
         None => SINGLE_STACK,
@@ -126,48 +156,87 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
         Some(PREFER_DUAL_STACK) => PREFER_DUAL_STACK,
         Some(REQUIRE_DUAL_STACK) => REQUIRE_DUAL_STACK,
         Some(other) => {
-            errs.push(FieldError::new(
-                "spec.ipFamilyPolicy",
-                format!("Unsupported value: {other:?}: supported values: \"PreferDualStack\", \"RequireDualStack\", \"SingleStack\""),
-            ));
+            errs.push(FieldError::not_supported("spec.ipFamilyPolicy", other, &[PREFER_DUAL_STACK, REQUIRE_DUAL_STACK, SINGLE_STACK]));
             SINGLE_STACK
         }
     };
+    let headless = ips.first().map(String::as_str) == Some("None");
+    let mut bad_ips = false;
+    let mut parsed: Vec<IpAddr> = Vec::new();
+    for (i, text) in ips.iter().enumerate() {
+        if i == 0 && headless {
+            if ips.len() > 1 {
+                bad_ips = true;
+                errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "'None' must be the first and only value"));
+            }
+            continue;
+        }
+        match invalid_ip_reason(text) {
+            Some(reason) => {
+                bad_ips = true;
+                errs.push(FieldError::invalid(format!("spec.clusterIPs[{i}]"), &serde_json::Value::from(text.as_str()), reason));
+            }
+            None => parsed.extend(cidr::parse_ip(text).ok()),
+        }
+    }
+    if ips.len() > 2 {
+        errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "may only hold up to 2 values"));
+    }
+    if bad_ips || ips.len() > 2 {
+        return Err(errs);
+    }
+    if ips.len() > 1 && !(parsed.len() == 2 && Family::of(parsed[0]) != Family::of(parsed[1])) {
+        errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "may specify no more than one IP for each IP family"));
+    }
+    if !headless {
+        for (i, (text, ip)) in ips.iter().zip(&parsed).enumerate() {
+            match requested_families.get(i).map(String::as_str).and_then(parse_family) {
+                Some(want) if want != Family::of(*ip) => errs.push(FieldError::invalid(
+                    format!("spec.clusterIPs[{i}]"),
+                    &serde_json::Value::from(text.as_str()),
+                    format!("expected an {} value as indicated by `ipFamilies[{i}]`", family_name(want)),
+                )),
+                _ => {}
+            }
+        }
+    }
+    if !errs.is_empty() {
+        return Err(errs);
+    }
+    if headless {
+        return Ok(Decision::NoAddress);
+    }
+
+    // Then the allocation rules (the apiserver's `initIPFamilyFields`).
+    let policy_value = serde_json::Value::from(policy);
     if policy == SINGLE_STACK {
         if parsed.len() > 1 {
-            errs.push(FieldError::new("spec.ipFamilyPolicy", "must be 'RequireDualStack' or 'PreferDualStack' when multiple cluster IPs are specified"));
+            errs.push(FieldError::invalid("spec.ipFamilyPolicy", &policy_value, "must be 'RequireDualStack' or 'PreferDualStack' when multiple cluster IPs are specified"));
         }
         if families.len() > 1 {
-            errs.push(FieldError::new("spec.ipFamilyPolicy", "must be 'RequireDualStack' or 'PreferDualStack' when multiple IP families are specified"));
+            errs.push(FieldError::invalid("spec.ipFamilyPolicy", &policy_value, "must be 'RequireDualStack' or 'PreferDualStack' when multiple IP families are specified"));
         }
     }
-    let dual_cluster = cluster.contains(&Family::IPv4) && cluster.contains(&Family::IPv6);
-    if policy == REQUIRE_DUAL_STACK && !dual_cluster {
-        errs.push(FieldError::new("spec.ipFamilyPolicy", "this cluster is not configured for dual-stack services"));
-    }
     // Families follow the requested addresses where ipFamilies is silent.
-    for (i, ip) in parsed.iter().enumerate() {
-        let fam = Family::of(*ip);
-        match families.get(i) {
-            Some(&want) if want != fam => errs.push(FieldError::new(
-                format!("spec.clusterIPs[{i}]"),
-                format!("expected an {} value as indicated by `ipFamilies[{i}]`", family_name(want)),
-            )),
-            Some(_) => {}
-            None if !families.contains(&fam) => families.push(fam),
-            None => {}
+    for ip in &parsed {
+        if !families.contains(&Family::of(*ip)) {
+            families.push(Family::of(*ip));
         }
     }
     if families.is_empty() {
         match cluster.first() {
             Some(&f) => families.push(f),
-            None => errs.push(FieldError::new("spec.ipFamilies", "no service CIDR is configured")),
+            None => errs.push(FieldError::invalid("spec.ipFamilies", &serde_json::Value::Array(vec![]), "no service CIDR is configured")),
         }
     }
     for (i, f) in families.iter().enumerate() {
         if !cluster.contains(f) {
-            errs.push(FieldError::new(format!("spec.ipFamilies[{i}]"), format!("{}: not configured on this cluster", family_name(*f))));
+            errs.push(FieldError::invalid(format!("spec.ipFamilies[{i}]"), &serde_json::Value::from(family_name(*f)), "not configured on this cluster"));
         }
+    }
+    let dual_cluster = cluster.contains(&Family::IPv4) && cluster.contains(&Family::IPv6);
+    if errs.is_empty() && policy == REQUIRE_DUAL_STACK && !dual_cluster {
+        errs.push(FieldError::invalid("spec.ipFamilyPolicy", &policy_value, "this cluster is not configured for dual-stack services"));
     }
     if policy != SINGLE_STACK && dual_cluster && families.len() == 1 {
         let other = if families[0] == Family::IPv4 { Family::IPv6 } else { Family::IPv4 };
@@ -240,7 +309,7 @@ mod tests {
     #[test]
     fn require_dual_stack_on_single_stack_is_rejected() {
         let s = spec(|s| s.ip_family_policy = Some(REQUIRE_DUAL_STACK.into()));
-        assert_eq!(errors(&s, &[V4]), vec!["spec.ipFamilyPolicy: this cluster is not configured for dual-stack services"]);
+        assert_eq!(errors(&s, &[V4]), vec!["spec.ipFamilyPolicy: Invalid value: \"RequireDualStack\": this cluster is not configured for dual-stack services"]);
     }
 
     #[test]
@@ -269,20 +338,24 @@ mod tests {
         let bad = spec(|s| s.cluster_ip = Some("010.0.0.1".into()));
         let e = errors(&bad, &[V4]);
         assert_eq!(e.len(), 1);
-        assert!(e[0].starts_with("spec.clusterIPs[0]: Invalid value: \"010.0.0.1\""), "{e:?}");
+        assert_eq!(e[0], "spec.clusterIPs[0]: Invalid value: \"010.0.0.1\": must not have leading 0s");
+        let mapped = spec(|s| s.cluster_ip = Some("::ffff:10.0.0.1".into()));
+        assert_eq!(errors(&mapped, &[V4]), vec!["spec.clusterIPs[0]: Invalid value: \"::ffff:10.0.0.1\": must not be an IPv4-mapped IPv6 address"]);
+        let garbage = spec(|s| s.cluster_ip = Some("garbage".into()));
+        assert_eq!(errors(&garbage, &[V4]), vec!["spec.clusterIPs[0]: Invalid value: \"garbage\": must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)"]);
 
         let mismatch = spec(|s| {
             s.cluster_ip = Some("10.0.0.1".into());
             s.cluster_ips = Some(vec!["10.0.0.2".into()]);
         });
-        assert_eq!(errors(&mismatch, &[V4]), vec!["spec.clusterIPs: first value must match `clusterIP`"]);
+        assert_eq!(errors(&mismatch, &[V4]), vec!["spec.clusterIPs: Invalid value: [\"10.0.0.2\"]: first value must match `clusterIP`"]);
 
         let two_v4 = spec(|s| {
             s.cluster_ip = Some("10.0.0.1".into());
             s.cluster_ips = Some(vec!["10.0.0.1".into(), "10.0.0.2".into()]);
             s.ip_family_policy = Some(PREFER_DUAL_STACK.into());
         });
-        assert!(errors(&two_v4, &[V4, V6]).contains(&"spec.clusterIPs[1]: may specify no more than one IP for each IP family".to_string()));
+        assert!(errors(&two_v4, &[V4, V6]).contains(&"spec.clusterIPs: Invalid value: [\"10.0.0.1\",\"10.0.0.2\"]: may specify no more than one IP for each IP family".to_string()));
 
         let single_two = spec(|s| {
             s.cluster_ip = Some("10.0.0.1".into());
@@ -290,19 +363,19 @@ mod tests {
         });
         assert_eq!(
             errors(&single_two, &[V4, V6]),
-            vec!["spec.ipFamilyPolicy: must be 'RequireDualStack' or 'PreferDualStack' when multiple cluster IPs are specified"]
+            vec!["spec.ipFamilyPolicy: Invalid value: \"SingleStack\": must be 'RequireDualStack' or 'PreferDualStack' when multiple cluster IPs are specified"]
         );
 
         let wrong_family = spec(|s| {
             s.cluster_ip = Some("10.0.0.1".into());
             s.ip_families = Some(vec!["IPv6".into()]);
         });
-        assert_eq!(errors(&wrong_family, &[V4, V6]), vec!["spec.clusterIPs[0]: expected an IPv6 value as indicated by `ipFamilies[0]`"]);
+        assert_eq!(errors(&wrong_family, &[V4, V6]), vec!["spec.clusterIPs[0]: Invalid value: \"10.0.0.1\": expected an IPv6 value as indicated by `ipFamilies[0]`"]);
 
         let unconfigured = spec(|s| s.ip_families = Some(vec!["IPv6".into()]));
-        assert_eq!(errors(&unconfigured, &[V4]), vec!["spec.ipFamilies[0]: IPv6: not configured on this cluster"]);
+        assert_eq!(errors(&unconfigured, &[V4]), vec!["spec.ipFamilies[0]: Invalid value: \"IPv6\": not configured on this cluster"]);
 
         let bogus = spec(|s| s.ip_families = Some(vec!["IPv5".into()]));
-        assert!(errors(&bogus, &[V4])[0].starts_with("spec.ipFamilies[0]: Unsupported value: \"IPv5\""));
+        assert_eq!(errors(&bogus, &[V4]), vec!["spec.ipFamilies[0]: Unsupported value: \"IPv5\": supported values: \"IPv4\", \"IPv6\""]);
     }
 }

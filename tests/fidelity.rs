@@ -1,0 +1,500 @@
+//! Differential test: stock Kubernetes is the oracle (docs/fidelity.md).
+//!
+//! Every case is one Service request (a create; some with a holder created first, some a
+//! patch of a created Service) run twice in the same real kube-apiserver: once in a namespace
+//! no webhook selects (the apiserver alone decides), once in a namespace our webhook
+//! selects. The outcomes must agree: success with the same type, ipFamilyPolicy,
+//! ipFamilies and static addresses (ours dynamic ones from our ranges), or failure with the
+//! same code, reason, `details` (kind, name, causes) and message, addresses masked. The
+//! apiserver prefixes a webhook's message with `admission webhook "…" denied the request: `
+//! (its `ToStatusErr`; `details` is passed through unchanged, and kubectl prints from
+//! `details`): that prefix is the one difference no webhook can avoid, and is stripped.
+//!
+//! Addresses: the webhook assigns from 198.19.120.0/22 and fd00:10:96::c000/118 (no other
+//! test uses them); the oracle side's static addresses are 198.19.124.x / fd00:10:96::c4xx,
+//! outside our ranges and inside the apiserver's 198.19.0.0/16 and fd00:10:96::/112. Every
+//! static address is used by one case on one side only.
+
+mod controller_common;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::Client;
+use serde_json::{json, Value};
+
+use clusterip::cidr::ServiceCidr;
+use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use controller_common::Controller;
+
+const OUR_V4: &str = "198.19.120.0/22";
+const OUR_V6: &str = "fd00:10:96::c000/118";
+
+/// The address values of one side.
+struct Side {
+    namespace: String,
+    v4_base: u32,
+    v6_base: u128,
+    next4: u32,
+    next6: u128,
+    /// Token → the address text it stood for on this side.
+    tokens: BTreeMap<String, String>,
+    /// Network, broadcast, IPv6 network and all-ones addresses of this side's range, and an
+    /// address in the apiserver's range outside ours.
+    fixed: [(&'static str, String); 5],
+}
+
+impl Side {
+    fn new(namespace: String, v4: &str, v6: &str, fixed: [(&'static str, String); 5]) -> Side {
+        Side {
+            namespace,
+            v4_base: u32::from(v4.parse::<std::net::Ipv4Addr>().expect("v4 base")),
+            v6_base: u128::from(v6.parse::<std::net::Ipv6Addr>().expect("v6 base")),
+            next4: 1,
+            next6: 1,
+            tokens: BTreeMap::new(),
+            fixed,
+        }
+    }
+
+    /// `spec` with its tokens replaced by fresh addresses of this side: {A}, {A2} (IPv4),
+    /// {X} (IPv6), {XNC} (an IPv6 address spelled non-canonically), and the fixed ones.
+    fn fill(&mut self, text: &str) -> String {
+        let mut out = text.to_string();
+        for tok in ["{A}", "{A2}"] {
+            if out.contains(tok) {
+                let ip = std::net::Ipv4Addr::from(self.v4_base + self.next4).to_string();
+                self.next4 += 1;
+                out = out.replace(tok, &ip);
+                self.tokens.insert(tok.into(), ip);
+            }
+        }
+        if out.contains("{X}") {
+            let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6).to_string();
+            self.next6 += 1;
+            out = out.replace("{X}", &ip);
+            self.tokens.insert("{X}".into(), ip);
+        }
+        if out.contains("{XNC}") {
+            let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6).to_string().replacen("::", ":0::", 1);
+            self.next6 += 1;
+            out = out.replace("{XNC}", &ip);
+            self.tokens.insert("{XNC}".into(), ip);
+        }
+        for (tok, ip) in &self.fixed {
+            if out.contains(tok) {
+                out = out.replace(tok, ip);
+                self.tokens.insert(tok.to_string(), ip.clone());
+            }
+        }
+        out
+    }
+
+    /// Every static address this side may use (freed before the run).
+    fn statics(&self) -> Vec<String> {
+        let mut v: Vec<String> = (1..64).map(|n| std::net::Ipv4Addr::from(self.v4_base + n).to_string()).collect();
+        v.extend((1..64u128).map(|n| std::net::Ipv6Addr::from(self.v6_base + n).to_string()));
+        v.extend(self.fixed.iter().map(|(_, ip)| ip.clone()));
+        v
+    }
+}
+
+enum Step {
+    Create,
+    DryRun,
+    /// Create a holder Service with `holder` first, then the case.
+    AfterHolder(&'static str, bool),
+    /// Create `spec`, then merge-patch the Service's spec with `patch`.
+    Patch(&'static str),
+}
+
+struct Case {
+    name: &'static str,
+    spec: &'static str,
+    step: Step,
+    /// Why clusterip deliberately answers otherwise (docs/fidelity.md), or None.
+    differs: Option<&'static str>,
+}
+
+fn cases() -> Vec<Case> {
+    use Step::*;
+    let c = |name, spec, step| Case { name, spec, step, differs: None };
+    vec![
+        // IP families and policies.
+        c("default", r#"{}"#, Create),
+        c("prefer-dual", r#"{"ipFamilyPolicy":"PreferDualStack"}"#, Create),
+        c("require-dual", r#"{"ipFamilyPolicy":"RequireDualStack"}"#, Create),
+        c("ipv6-only", r#"{"ipFamilies":["IPv6"]}"#, Create),
+        c("family-order-v6-first", r#"{"ipFamilies":["IPv6","IPv4"],"ipFamilyPolicy":"RequireDualStack"}"#, Create),
+        c("prefer-v6-first", r#"{"ipFamilies":["IPv6"],"ipFamilyPolicy":"PreferDualStack"}"#, Create),
+        c("two-families-no-policy", r#"{"ipFamilies":["IPv4","IPv6"]}"#, Create),
+        c("two-families-single", r#"{"ipFamilies":["IPv4","IPv6"],"ipFamilyPolicy":"SingleStack"}"#, Create),
+        c("policy-unsupported", r#"{"ipFamilyPolicy":"Bogus"}"#, Create),
+        c("family-unsupported", r#"{"ipFamilies":["IPv5"]}"#, Create),
+        c("family-duplicate", r#"{"ipFamilies":["IPv4","IPv4"],"ipFamilyPolicy":"PreferDualStack"}"#, Create),
+        c("headless-selector", r#"{"clusterIP":"None","selector":{"app":"x"}}"#, Create),
+        c("headless-no-selector", r#"{"clusterIP":"None"}"#, Create),
+        c("headless-prefer", r#"{"clusterIP":"None","selector":{"app":"x"},"ipFamilyPolicy":"PreferDualStack"}"#, Create),
+        // clusterIP / clusterIPs consistency.
+        c("first-must-match", r#"{"clusterIP":"{A}","clusterIPs":["{A2}"]}"#, Create),
+        c("ips-without-ip", r#"{"clusterIPs":["{A}"]}"#, Create),
+        c("none-not-alone", r#"{"clusterIP":"None","clusterIPs":["None","{A}"]}"#, Create),
+        c("three-ips", r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}","{A2}"],"ipFamilyPolicy":"RequireDualStack"}"#, Create),
+        c("two-v4", r#"{"clusterIP":"{A}","clusterIPs":["{A}","{A2}"],"ipFamilyPolicy":"PreferDualStack"}"#, Create),
+        c("two-ips-single-stack", r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}"],"ipFamilyPolicy":"SingleStack"}"#, Create),
+        c("ip-family-mismatch", r#"{"clusterIP":"{A}","ipFamilies":["IPv6"]}"#, Create),
+        // Malformed addresses.
+        c("leading-zeros", r#"{"clusterIP":"198.19.010.5"}"#, Create),
+        c("ipv4-mapped", r#"{"clusterIP":"::ffff:198.19.1.5"}"#, Create),
+        c("garbage", r#"{"clusterIP":"garbage"}"#, Create),
+        c("second-malformed", r#"{"clusterIP":"{A}","clusterIPs":["{A}","fd00::zz"],"ipFamilyPolicy":"RequireDualStack"}"#, Create),
+        c("non-canonical-ipv6", r#"{"clusterIP":"{XNC}"}"#, Create),
+        // Ranges.
+        c("in-no-servicecidr", r#"{"clusterIP":"198.20.0.5"}"#, Create),
+        c("ipv6-in-no-servicecidr", r#"{"clusterIP":"fd00:10:97::5"}"#, Create),
+        c("network-address", r#"{"clusterIP":"{NET}"}"#, Create),
+        c("broadcast-address", r#"{"clusterIP":"{BCAST}"}"#, Create),
+        c("ipv6-network-address", r#"{"clusterIP":"{NET6}"}"#, Create),
+        c("ipv6-all-ones", r#"{"clusterIP":"{ONES6}"}"#, Create),
+        c("dual-second-out", r#"{"clusterIP":"{A}","clusterIPs":["{A}","fd00:10:97::5"],"ipFamilyPolicy":"RequireDualStack"}"#, Create),
+        c("dry-run-in-no-servicecidr", r#"{"clusterIP":"198.20.0.5"}"#, DryRun),
+        // Static addresses.
+        c("static", r#"{"clusterIP":"{A}"}"#, Create),
+        c("static-dual", r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}"],"ipFamilyPolicy":"RequireDualStack"}"#, Create),
+        c("static-plus-dynamic", r#"{"clusterIP":"{A}","ipFamilyPolicy":"PreferDualStack"}"#, Create),
+        // Duplicates and dry-run.
+        c("duplicate", r#"{"clusterIP":"{A}"}"#, AfterHolder(r#"{"clusterIP":"{A}"}"#, false)),
+        c("duplicate-dry-run", r#"{"clusterIP":"{A}"}"#, AfterHolder(r#"{"clusterIP":"{A}"}"#, true)),
+        c("dry-run-dynamic", r#"{"ipFamilyPolicy":"RequireDualStack"}"#, DryRun),
+        c("dry-run-static", r#"{"clusterIP":"{A}"}"#, DryRun),
+        // Updates.
+        c("patch-upgrade-to-dual", r#"{}"#, Patch(r#"{"ipFamilyPolicy":"RequireDualStack"}"#)),
+        c("patch-two-families-single", r#"{}"#, Patch(r#"{"ipFamilies":["IPv4","IPv6"]}"#)),
+        c("patch-change-ip", r#"{"clusterIP":"{A}"}"#, Patch(r#"{"clusterIP":"{A2}","clusterIPs":["{A2}"]}"#)),
+        // Deliberate differences.
+        Case {
+            name: "outside-our-ranges",
+            spec: r#"{"clusterIP":"{OUT}"}"#,
+            step: Create,
+            differs: Some("an address in the apiserver's range but outside clusterip's ranges is refused: every address comes from clusterip's ranges"),
+        },
+    ]
+}
+
+/// The outcome of one request, comparable across the two sides.
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    Created { type_: String, policy: String, families: Vec<String>, ips: Vec<String> },
+    Failed { code: u16, reason: String, kind: String, name: String, message: String, causes: Vec<(String, String, String)> },
+}
+
+/// Addresses and CIDRs in `text` replaced by `<ip>`.
+fn mask(text: &str) -> String {
+    let is_ipish = |c: char| c.is_ascii_hexdigit() || c == ':' || c == '.' || c == '/';
+    let chars: Vec<char> = text.chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() {
+        if !is_ipish(chars[i]) {
+            out.push(chars[i]);
+            i += 1;
+            continue;
+        }
+        let mut j = i;
+        while j < chars.len() && is_ipish(chars[j]) {
+            j += 1;
+        }
+        let run: String = chars[i..j].iter().collect();
+        // The longest prefix that is an address or a CIDR.
+        let mut matched = 0;
+        for end in (1..=run.len()).rev() {
+            let p = &run[..end];
+            if p.parse::<IpAddr>().is_ok() || p.split_once('/').map(|(a, b)| a.parse::<IpAddr>().is_ok() && b.parse::<u8>().is_ok()).unwrap_or(false) {
+                matched = end;
+                break;
+            }
+        }
+        if matched > 0 && run[..matched].contains(['.', ':']) {
+            out.push_str("<ip>");
+            out.push_str(&run[matched..]);
+        } else {
+            out.push_str(&run);
+        }
+        i = j;
+    }
+    out
+}
+
+/// One request, its status code and its body (kept whole: `details` included).
+async fn send(client: &Client, req: Result<http::Request<Vec<u8>>, kube::core::request::Error>) -> (u16, Value) {
+    let req = req.expect("request").map(kube::client::Body::from);
+    let resp = client.send(req).await.expect("send");
+    let code = resp.status().as_u16();
+    use http_body_util::BodyExt;
+    let bytes = resp.into_body().collect().await.expect("response body").to_bytes();
+    (code, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+fn service_body(name: &str, spec: &str) -> Vec<u8> {
+    let mut spec: Value = serde_json::from_str(spec).expect("case spec");
+    if spec.get("ports").is_none() {
+        spec["ports"] = json!([{"port": 80}]);
+    }
+    serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec})).expect("json")
+}
+
+/// The comparable outcome of a response on `side`; `dry_run`: dynamic addresses are the
+/// apiserver's dry-run placeholders on both sides and are compared as they are.
+fn outcome(side: &Side, code: u16, body: &Value, ours: bool, dry_run: bool) -> Outcome {
+    let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    if (200..300).contains(&code) {
+        let spec = &body["spec"];
+        let ranges = [ServiceCidr::parse(OUR_V4).expect("v4"), ServiceCidr::parse(OUR_V6).expect("v6")];
+        let ips = spec["clusterIPs"]
+            .as_array()
+            .map(|a| a.iter().map(s).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|ip| {
+                if let Some((tok, _)) = side.tokens.iter().find(|(_, v)| **v == ip) {
+                    return tok.clone();
+                }
+                if ip == "None" || dry_run {
+                    return ip;
+                }
+                match ip.parse::<IpAddr>() {
+                    Ok(a) if !ours || ranges.iter().any(|r| r.contains(a)) => "<dynamic>".into(),
+                    _ => format!("{ip} (not from our ranges)"),
+                }
+            })
+            .collect();
+        let families = spec["ipFamilies"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
+        return Outcome::Created { type_: s(&spec["type"]), policy: s(&spec["ipFamilyPolicy"]), families, ips };
+    }
+    let message = s(&body["message"]);
+    let message = match message.strip_prefix("admission webhook \"") {
+        Some(rest) => rest.split_once("\" denied the request: ").map(|(_, m)| m.to_string()).unwrap_or(message.clone()),
+        None => message,
+    };
+    let d = &body["details"];
+    let causes = d["causes"]
+        .as_array()
+        .map(|a| a.iter().map(|c| (s(&c["field"]), s(&c["reason"]), mask(&s(&c["message"])))).collect())
+        .unwrap_or_default();
+    Outcome::Failed { code, reason: s(&body["reason"]), kind: s(&d["kind"]), name: s(&d["name"]), message: mask(&message), causes }
+}
+
+/// Run one case on one side.
+async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outcome {
+    side.tokens.clear();
+    let path = format!("/api/v1/namespaces/{}/services", side.namespace);
+    let req = kube::core::Request::new(&path);
+    let name = format!("fid-{}", case.name);
+    let spec = side.fill(case.spec);
+    let (pp, dry) = (PostParams::default(), PostParams { dry_run: true, ..Default::default() });
+    let (code, body, dry_run) = match case.step {
+        Step::Create => {
+            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            (c, b, false)
+        }
+        Step::DryRun => {
+            let (c, b) = send(client, req.create(&dry, service_body(&name, &spec))).await;
+            (c, b, true)
+        }
+        Step::AfterHolder(holder, dry_run) => {
+            let (c, b) = send(client, req.create(&pp, service_body(&format!("{name}-holder"), &side.fill_keep(holder)))).await;
+            assert_eq!(c, 201, "{}: the holder was not created: {b}", case.name);
+            let (c, b) = send(client, req.create(if dry_run { &dry } else { &pp }, service_body(&name, &spec))).await;
+            (c, b, dry_run)
+        }
+        Step::Patch(patch) => {
+            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
+            let patch: Value = serde_json::from_str(&side.fill(patch)).expect("patch");
+            let (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
+            (c, b, false)
+        }
+    };
+    outcome(side, code, &body, ours, dry_run)
+}
+
+impl Side {
+    /// Like `fill`, reusing the addresses the case's own spec got.
+    fn fill_keep(&self, text: &str) -> String {
+        let mut out = text.to_string();
+        for (tok, ip) in &self.tokens {
+            out = out.replace(tok.as_str(), ip);
+        }
+        out
+    }
+}
+
+/// Our controller and its webhook registration for one namespace, removed on drop.
+struct Webhook {
+    _child: Controller,
+    name: String,
+    client: Client,
+}
+
+impl Webhook {
+    async fn start(cp: &ControlPlane) -> Webhook {
+        let client = cp.client().await;
+        let name = unique_name("fidelity");
+        let pki = cp.dir().join("pki");
+        let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
+        let child = Controller::start([
+            "--backend",
+            "etcd",
+            "--service-cidr",
+            &format!("{OUR_V4},{OUR_V6}"),
+            "--etcd-endpoints",
+            &cp.etcd_endpoints().join(","),
+            "--etcd-prefix",
+            &format!("/clusterip-test/{name}"),
+            "--kubeconfig",
+            &kubeconfig.display().to_string(),
+            "--leader-elect-namespace",
+            "default",
+            "--leader-elect-lease-name",
+            &name,
+            "--leader-elect-identity",
+            "replica-0",
+            "--tls-cert-file",
+            &crt.display().to_string(),
+            "--tls-private-key-file",
+            &key.display().to_string(),
+        ]);
+        child.wait_ready().await;
+        let port = child.webhook_port;
+        let wh = Webhook { _child: child, name: name.clone(), client: client.clone() };
+        use base64::Engine as _;
+        let ca = base64::engine::general_purpose::STANDARD.encode(std::fs::read(pki.join("ca.crt")).expect("dev CA"));
+        let selector = json!({"matchLabels": {"clusterip.allocator/e2e": name}});
+        let rules = json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["services"], "scope": "Namespaced"}]);
+        let hook = |kind: &str, path: &str, side_effects: &str| {
+            json!({"name": format!("{kind}.clusterip.allocator"), "clientConfig": {"url": format!("https://127.0.0.1:{port}/{path}"), "caBundle": ca},
+                "rules": rules, "namespaceSelector": selector, "failurePolicy": "Fail", "sideEffects": side_effects,
+                "admissionReviewVersions": ["v1"], "timeoutSeconds": 30})
+        };
+        let mutating: MutatingWebhookConfiguration =
+            serde_json::from_value(json!({"metadata": {"name": name}, "webhooks": [hook("assign", "mutate", "NoneOnDryRun")]})).expect("mutating");
+        let validating: ValidatingWebhookConfiguration =
+            serde_json::from_value(json!({"metadata": {"name": name}, "webhooks": [hook("validate", "validate", "None")]})).expect("validating");
+        Api::<MutatingWebhookConfiguration>::all(client.clone()).create(&PostParams::default(), &mutating).await.expect("register mutating webhook");
+        Api::<ValidatingWebhookConfiguration>::all(client.clone()).create(&PostParams::default(), &validating).await.expect("register validating webhook");
+        create_namespace(&client, &name, json!({"clusterip.allocator/e2e": name})).await;
+        // The apiserver picks configurations up asynchronously: a dry-run create of an
+        // address only our webhook refuses, until it does.
+        let path = format!("/api/v1/namespaces/{name}/services");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", r#"{"clusterIP":"198.19.200.5"}"#))).await;
+            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {OUR_V4}")) {
+                return wh;
+            }
+            assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s: {code} {body}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for Webhook {
+    fn drop(&mut self) {
+        let (client, name) = (self.client.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                let dp = DeleteParams::default();
+                let _ = Api::<MutatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+                let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+                for ns in [name.clone(), format!("{name}-stock")] {
+                    let _ = Api::<Service>::namespaced(client.clone(), &ns).delete_collection(&dp, &ListParams::default()).await;
+                    let _ = Api::<Namespace>::all(client.clone()).delete(&ns, &dp).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+async fn create_namespace(client: &Client, name: &str, labels: Value) {
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("namespace");
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create namespace");
+}
+
+/// `ip` free before the run: a Service named `fid-…` holding it (an earlier run that died
+/// before cleaning up, on a reused cluster) is deleted; anyone else holding it fails the test.
+async fn free_leftover(client: &Client, ip: &str) {
+    use k8s_openapi::api::networking::v1::IPAddress;
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") {
+        let p = rec.spec.parent_ref;
+        let ns = p.namespace.unwrap_or_default();
+        assert!(p.resource == "services" && p.name.starts_with("fid-"), "{ip} is held by {}/{ns}/{}", p.resource, p.name);
+        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
+        assert!(Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_answers_match_stock_kubernetes() {
+    let cp = control_plane();
+    let wh = Webhook::start(&cp).await;
+    let client = wh.client.clone();
+    let stock_ns = format!("{}-stock", wh.name);
+    create_namespace(&client, &stock_ns, json!({})).await;
+    let mut ours = Side::new(
+        wh.name.clone(),
+        "198.19.120.0",
+        "fd00:10:96::c000",
+        [
+            ("{NET}", "198.19.120.0".into()),
+            ("{BCAST}", "198.19.123.255".into()),
+            ("{NET6}", "fd00:10:96::c000".into()),
+            ("{ONES6}", "fd00:10:96::c3ff".into()),
+            ("{OUT}", "198.19.125.7".into()),
+        ],
+    );
+    let mut stock = Side::new(
+        stock_ns,
+        "198.19.124.0",
+        "fd00:10:96::c400",
+        [
+            ("{NET}", "198.19.0.0".into()),
+            ("{BCAST}", "198.19.255.255".into()),
+            ("{NET6}", "fd00:10:96::".into()),
+            ("{ONES6}", "fd00:10:96::ffff".into()),
+            ("{OUT}", "198.19.126.7".into()),
+        ],
+    );
+    for ip in ours.statics().into_iter().chain(stock.statics()) {
+        free_leftover(&client, &ip).await;
+    }
+    let cases = cases();
+    let (mut matched, mut unexpected, mut deliberate) = (0, Vec::new(), Vec::new());
+    for case in &cases {
+        let want = run(&client, &mut stock, case, false).await;
+        let got = run(&client, &mut ours, case, true).await;
+        let same = want == got;
+        if same {
+            matched += 1;
+        }
+        match (same, case.differs) {
+            (true, None) => {}
+            (false, Some(why)) => deliberate.push(format!("{}: {why}", case.name)),
+            (true, Some(why)) => unexpected.push(format!("{}: listed as a deliberate difference ({why}) but matches stock:\n  {want:?}", case.name)),
+            (false, None) => unexpected.push(format!("{}:\n  stock: {want:?}\n  ours:  {got:?}", case.name)),
+        }
+    }
+    eprintln!("fidelity: {matched}/{} cases match stock Kubernetes", cases.len());
+    for d in &deliberate {
+        eprintln!("fidelity: deliberate difference: {d}");
+    }
+    assert!(unexpected.is_empty(), "unexpected differences from stock Kubernetes:\n{}", unexpected.join("\n"));
+}

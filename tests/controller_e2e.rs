@@ -174,7 +174,9 @@ impl Drop for Webhook {
 fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice) -> Controller {
     let pki = cp.dir().join("pki");
     let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
-    Controller::start([
+    // The webhook answers only the kube-apiserver's client certificate (dev-cluster.sh).
+    let auth = controller_common::client_auth_args(cp);
+    Controller::start(auth.iter().map(String::as_str).chain([
         "--backend",
         backend,
         "--service-cidr",
@@ -195,7 +197,7 @@ fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize
         &crt.display().to_string(),
         "--tls-private-key-file",
         &key.display().to_string(),
-    ])
+    ]))
 }
 
 /// Forward each connection to the next replica that accepts it (TLS passes through).

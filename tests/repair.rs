@@ -451,7 +451,8 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
     let pki = cp.dir().join("pki");
     let (etcd, kubeconfig) = (cp.etcd_endpoints().join(","), cp.kubeconfig().display().to_string());
     let (crt, key) = (pki.join("webhook.crt").display().to_string(), pki.join("webhook.key").display().to_string());
-    let mut child = Controller::start([
+    let auth = controller_common::client_auth_args(&cp);
+    let mut child = Controller::start(auth.iter().map(String::as_str).chain([
         "--backend",
         "etcd",
         "--service-cidr",
@@ -472,7 +473,7 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
         &crt,
         "--tls-private-key-file",
         &key,
-    ]);
+    ]));
     let metrics_port = child.metrics_port;
     let leak_series = "clusterip_repair_ip_errors_total{type=\"leak\"}";
     // The first pass (at start) sees the leak and keeps it.

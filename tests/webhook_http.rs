@@ -1,8 +1,8 @@
 //! The webhook's HTTPS endpoint as a client sees it: real TLS (the dev CA); only callers
 //! with the kube-apiserver's client certificate get an answer (anyone else gets none and
 //! reserves nothing); bad bodies get a clear 400 and leave the server serving; slow clients
-//! are disconnected while others are served; SIGTERM drains (readyz 503, requests in flight
-//! answered, exit 0); a rotated serving certificate is picked up without a restart; and
+//! are disconnected while others are served; accept() failures (out of descriptors) back off
+//! instead of spinning; SIGTERM drains (readyz 503, requests in flight answered, exit 0); a rotated serving certificate is picked up without a restart; and
 //! /metrics, /healthz, /readyz answer with Kubernetes-style names.
 
 mod controller_common;
@@ -497,6 +497,72 @@ async fn sigterm_drains_readyz_503_requests_in_flight_answered_exit_0() {
     let log = c.log();
     assert!(log.contains("returned the address pool"), "{log}");
     assert!(log.contains("all connections finished"), "{log}");
+}
+
+/// The soft RLIMIT_NOFILE of `pid`, set to `soft` when given; the previous value.
+fn nofile(pid: u32, soft: Option<u64>) -> u64 {
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut new = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: prlimit(2) reading (and with `soft`, setting) a resource limit of our own child.
+    let rc = unsafe { libc::prlimit(pid as libc::pid_t, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    if let Some(soft) = soft {
+        new.rlim_cur = soft;
+        new.rlim_max = old.rlim_max;
+        // SAFETY: as above.
+        let rc = unsafe { libc::prlimit(pid as libc::pid_t, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
+        assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    }
+    old.rlim_cur
+}
+
+/// Out of file descriptors, accept() fails at once for as long as connections wait: the
+/// webhook logs it and backs off (a handful of failures over seconds, not thousands), and
+/// serves again once descriptors are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_failures_back_off_and_serving_resumes() {
+    let cp = control_plane();
+    let (crt, key) = serving_cert(&cp);
+    let (c, _) = start(&cp, &crt, &key, &[]);
+    let (pid, port) = (c.pid(), c.webhook_port);
+    let failures = |log: &str| log.matches("accept failed").count();
+
+    // Room for a few more descriptors only, then more connections than that: the rest wait
+    // in the accept queue and every accept() fails with EMFILE.
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("the controller's descriptors").count() as u64;
+    let before = nofile(pid, Some(open + 4));
+    let mut held = Vec::new();
+    for _ in 0..32 {
+        held.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect (the kernel queues it)"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while failures(&c.log()) < 3 {
+        assert!(Instant::now() < deadline, "no accept failure logged within 60s:\n{}", c.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = c.log();
+    assert!(log.contains("Too many open files"), "{log}");
+    // Back-off: 10 ms doubling to 1 s is about a dozen in these seconds; a busy loop logs
+    // thousands even on a loaded machine.
+    let n = failures(&log);
+    assert!(n < 60, "{n} accept failures logged in {:?}: a busy loop", first.elapsed());
+
+    // Descriptors back: the waiting connections are taken (and time out), and a caller is
+    // answered again.
+    nofile(pid, Some(before));
+    drop(held);
+    let connector = tls_client(&cp);
+    let body = review("after-emfile", "after-emfile", serde_json::json!({"ports": [{"port": 80}]})).to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match post_raw(&connector, port, "/mutate", body.as_bytes()).await {
+            Ok(a) if allowed(&a) => break,
+            other => assert!(Instant::now() < deadline, "not answering 60s after descriptors were freed: {other:?}\n{}", c.log()),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[test]

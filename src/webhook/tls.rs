@@ -224,3 +224,34 @@ pub fn server_config(cert_file: PathBuf, key_file: PathBuf, client_auth: ClientA
     cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(cfg))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_client_ca_file_is_named() {
+        let e = ClientAuth::new("/nonexistent/client-ca.crt".into(), vec![]).expect_err("no such file");
+        assert!(e.contains("/nonexistent/client-ca.crt"), "{e}");
+    }
+
+    #[test]
+    fn a_client_ca_file_without_certificates_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("ca.crt");
+        std::fs::write(&file, "not a certificate\n").expect("write");
+        let e = ClientAuth::new(file.clone(), vec![]).expect_err("no certificate");
+        assert_eq!(e, format!("no certificate found in {}", file.display()));
+    }
+
+    #[test]
+    fn an_empty_allowed_client_name_is_refused() {
+        let e = ClientAuth::new("/nonexistent".into(), vec!["kube-apiserver".into(), String::new()]).expect_err("empty name");
+        assert!(e.starts_with("--allowed-client-names: empty name"), "{e}");
+    }
+
+    #[test]
+    fn garbage_is_not_a_certificate() {
+        assert!(certificate_names(b"\x30\x03garbage").is_err());
+    }
+}

@@ -151,7 +151,8 @@ impl ClientAuth {
         if let Some(bad) = allowed_names.iter().find(|n| n.trim().is_empty()) {
             return Err(format!("--allowed-client-names: empty name in {allowed_names:?} ({bad:?})"));
         }
-        Ok(Self { ca: Followed::new(vec![ca_file], "client CA", load_client_ca)?, allowed_names })
+        let ca = Followed::new(vec![ca_file], "client CA", load_client_ca).map_err(|e| format!("--client-ca-file: {e}"))?;
+        Ok(Self { ca, allowed_names })
     }
 
     fn name_allowed(&self, end_entity: &CertificateDer<'_>) -> Result<(), tokio_rustls::rustls::Error> {
@@ -241,7 +242,7 @@ mod tests {
         let file = dir.path().join("ca.crt");
         std::fs::write(&file, "not a certificate\n").expect("write");
         let e = ClientAuth::new(file.clone(), vec![]).expect_err("no certificate");
-        assert_eq!(e, format!("no certificate found in {}", file.display()));
+        assert_eq!(e, format!("--client-ca-file: no certificate found in {}", file.display()));
     }
 
     #[test]

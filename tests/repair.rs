@@ -22,7 +22,7 @@ use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
 use clusterip::store::{AllocationStore, ParentRef};
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
-use controller_common::Controller;
+use controller_common::{metric, Controller};
 use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -435,10 +435,6 @@ async fn scrape(port: u16) -> String {
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf).await;
     String::from_utf8_lossy(&buf).into_owned()
-}
-
-fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use clusterip::store::AllocationStore;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
-use controller_common::{apiserver_client_cert, client_auth_args, Controller};
+use controller_common::{apiserver_client_cert, client_auth_args, metric, Controller};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const RANGE: &str = "198.18.200.0/24";
@@ -121,11 +121,6 @@ fn review(uid: &str, name: &str, spec: serde_json::Value) -> serde_json::Value {
             "object": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
         }
     })
-}
-
-/// A metric's value in `/metrics` text (None when the series is absent).
-fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
 }
 
 /// SHA-256 fingerprint of the certificate the webhook serves now.

@@ -148,6 +148,11 @@ impl Drop for Controller {
     }
 }
 
+/// A series' value in `/metrics` text (None when the series is absent).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+}
+
 /// The port of `key=<ip>:<port>` in a log line.
 fn port_of(line: &str, key: &str) -> u16 {
     line.split_whitespace()

@@ -37,6 +37,9 @@ builder="$repo/scripts/lib/build-go-binaries.sh"
 SERVICE_CIDRS=${CLUSTERIP_APISERVER_SERVICE_CIDRS:-198.19.0.0/16,fd00:10:96::/112}
 # Our own ranges: a strict subset of the apiserver's, so our choices are easy to tell apart.
 CONTROLLER_CIDRS=${CLUSTERIP_SERVICE_CIDRS:-198.19.0.0/17,fd00:10:96::/113}
+# The subject CN of the kube-apiserver's client certificate for webhooks: the one caller the
+# clusterip webhook accepts.
+WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
 # CLUSTERIP_CONTROLLER=0 leaves the clusterip controller out (the test suite starts its own).
 ALL_COMPONENTS=(etcd kube-apiserver clusterip-controller)
 COMPONENTS=(etcd kube-apiserver)
@@ -79,8 +82,9 @@ stop_component() {
   if pid=$(live_pid "$name"); then
     log "stopping $name (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    if kill -0 "$pid" 2>/dev/null; then log "$name did not stop in 10s; killing"; kill -KILL "$pid" 2>/dev/null || true; fi
+    # (The controller drains: --shutdown-delay-duration, then requests in flight.)
+    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then log "$name did not stop in 30s; killing"; kill -KILL "$pid" 2>/dev/null || true; fi
   fi
   rm -f "$(pidfile "$name")"
 }
@@ -147,6 +151,13 @@ EOF
       -keyout admin.key -out admin.csr 2>/dev/null
     openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
       -extfile client.ext -out admin.crt 2>/dev/null
+    # the kube-apiserver's client certificate for calling admission webhooks (presented
+    # through its AdmissionConfiguration, see write_admission_config); the clusterip webhook
+    # accepts no other caller (--client-ca-file ca.crt --allowed-client-names $WEBHOOK_CLIENT_NAME).
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=$WEBHOOK_CLIENT_NAME" \
+      -keyout apiserver-webhook-client.key -out apiserver-webhook-client.csr 2>/dev/null
+    openssl x509 -req -in apiserver-webhook-client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
+      -extfile client.ext -out apiserver-webhook-client.crt 2>/dev/null
     # the clusterip webhook's serving certificate (the apiserver calls it on loopback).
     printf 'subjectAltName = IP:127.0.0.1, DNS:localhost\nextendedKeyUsage = serverAuth\n' > webhook.ext
     openssl req -newkey rsa:2048 -nodes -subj "/CN=clusterip-webhook" -keyout webhook.key -out webhook.csr 2>/dev/null
@@ -185,6 +196,38 @@ current-context: clusterip-dev
 EOF
 }
 
+# How the kube-apiserver authenticates to admission webhooks (Kubernetes' "Authenticate
+# apiservers"): an AdmissionConfiguration (--admission-control-config-file) gives both webhook
+# plugins a kubeconfig whose users[].name is matched against the webhook's host:port; "*"
+# matches every webhook, so the test suite's webhooks on 127.0.0.1:<any port> get it too.
+write_admission_config() {
+  local pki="$state/pki"
+  cat > "$state/admission-kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+users:
+- name: "*"
+  user:
+    client-certificate: $pki/apiserver-webhook-client.crt
+    client-key: $pki/apiserver-webhook-client.key
+EOF
+  cat > "$state/admission-config.yaml" <<EOF
+apiVersion: apiserver.config.k8s.io/v1
+kind: AdmissionConfiguration
+plugins:
+- name: MutatingAdmissionWebhook
+  configuration:
+    apiVersion: apiserver.config.k8s.io/v1
+    kind: WebhookAdmissionConfiguration
+    kubeConfigFile: $state/admission-kubeconfig
+- name: ValidatingAdmissionWebhook
+  configuration:
+    apiVersion: apiserver.config.k8s.io/v1
+    kind: WebhookAdmissionConfiguration
+    kubeConfigFile: $state/admission-kubeconfig
+EOF
+}
+
 # ---------------------------------------------------------------- components
 start_etcd() {
   mkdir -p "$state/etcd"
@@ -211,6 +254,7 @@ start_kube-apiserver() {
     --service-cluster-ip-range "$SERVICE_CIDRS" \
     --authorization-mode RBAC --allow-privileged \
     --enable-admission-plugins MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
+    --admission-control-config-file "$state/admission-config.yaml" \
     --disable-admission-plugins ServiceAccount \
     --profiling=false --v 1
 }
@@ -239,7 +283,9 @@ start_clusterip-controller() {
     --backend "${CLUSTERIP_BACKEND:-etcd}" --service-cidr "$CONTROLLER_CIDRS" \
     --etcd-endpoints "http://127.0.0.1:$ETCD_PORT" --kubeconfig "$state/kubeconfig" \
     --webhook-bind-address "127.0.0.1:$WEBHOOK_PORT" --metrics-bind-address "127.0.0.1:$CONTROLLER_METRICS_PORT" \
-    --tls-cert-file "$pki/webhook.crt" --tls-private-key-file "$pki/webhook.key"
+    --tls-cert-file "$pki/webhook.crt" --tls-private-key-file "$pki/webhook.key" \
+    --client-ca-file "$pki/ca.crt" --allowed-client-names "$WEBHOOK_CLIENT_NAME" \
+    --shutdown-delay-duration 1s
   wait_ready clusterip-controller 60
   register_webhooks
 }
@@ -363,6 +409,7 @@ CONTROLLER_METRICS_PORT=$CONTROLLER_METRICS_PORT
 EOF
   gen_certs
   write_kubeconfig
+  write_admission_config
   # What tests and tools read: endpoints of the parts, one KEY=value per line.
   cat > "$state/env" <<EOF
 KUBECONFIG=$state/kubeconfig
@@ -372,6 +419,8 @@ CLUSTERIP_APISERVER_SERVICE_CIDRS=$SERVICE_CIDRS
 CLUSTERIP_SERVICE_CIDRS=$CONTROLLER_CIDRS
 CLUSTERIP_WEBHOOK_URL=https://127.0.0.1:$WEBHOOK_PORT
 CLUSTERIP_METRICS_URL=http://127.0.0.1:$CONTROLLER_METRICS_PORT
+CLUSTERIP_WEBHOOK_CLIENT_CA=$state/pki/ca.crt
+CLUSTERIP_WEBHOOK_CLIENT_NAME=$WEBHOOK_CLIENT_NAME
 EOF
   # A failed start leaves nothing running (the log tail was already printed).
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; stopping what was started"; cmd_down quiet; fi' EXIT

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Certificates for the clusterip admission webhook without cert-manager (the default path
-# of deploy/): a CA and a serving certificate for the webhook Service, made with openssl.
+# of deploy/), made with openssl: a CA and a serving certificate for the webhook Service, and
+# a client CA and the kube-apiserver's client certificate for calling the webhook (the webhook
+# answers nobody else), with the kube-apiserver's side of it (AdmissionConfiguration +
+# kubeconfig) to install on the control-plane nodes.
 #
-#   scripts/gen-webhook-certs.sh                 # print the Secret manifest (stdout)
-#   scripts/gen-webhook-certs.sh --apply         # create/update the Secret in the cluster and
-#                                                # patch the caBundle of both webhook configurations
+#   scripts/gen-webhook-certs.sh                 # print the Secret and ConfigMap manifests (stdout)
+#   scripts/gen-webhook-certs.sh --apply         # create/update the Secret and the ConfigMap in
+#                                                # the cluster and patch the caBundle of both
+#                                                # webhook configurations
 #
 # Install order with it (docs/operations.md):
 #   scripts/gen-webhook-certs.sh --apply   # namespace (if missing) + Secret clusterip-webhook-tls
@@ -16,6 +20,18 @@
 #                       serving certificate is renewed (run the script again to renew it)
 #   tls.crt tls.key     the serving certificate (DNS names <service>.<namespace>.svc and
 #                       <service>.<namespace>.svc.cluster.local), made fresh on every run
+#   client-ca.crt client-ca.key
+#                       the CA of the kube-apiserver's client certificate, made once and
+#                       reused; its certificate goes into the ConfigMap clusterip-webhook-client-ca
+#                       (the controller's --client-ca-file)
+#   apiserver-webhook-client.crt apiserver-webhook-client.key
+#                       the kube-apiserver's client certificate for the webhook (CN = the
+#                       Deployment's --allowed-client-names), made fresh on every run
+#   apiserver/admission-config.yaml apiserver/admission-kubeconfig.yaml
+#                       for the kube-apiserver: copy both to --apiserver-config-dir on every
+#                       control-plane node and start the apiserver with
+#                       --admission-control-config-file=<that dir>/admission-config.yaml
+#                       (docs/operations.md, "The kube-apiserver's side")
 # --new-ca makes a new CA; the previous CA stays in the caBundle next to the new one, so the
 # webhook is trusted throughout the rollover (run once more with --drop-previous-ca later).
 #
@@ -24,7 +40,11 @@
 #   --service NAME      webhook Service                 (default clusterip-webhook)
 #   --secret NAME       Secret the Deployment mounts    (default clusterip-webhook-tls)
 #   --webhook NAME      Mutating/ValidatingWebhookConfiguration name (default clusterip)
-#   --days N            serving certificate lifetime    (default 365; the CA: 3650)
+#   --days N            serving and client certificate lifetime (default 365; the CAs: 3650)
+#   --client-name NAME  CN of the kube-apiserver's client certificate (default kube-apiserver-webhook-client)
+#   --apiserver-config-dir DIR
+#                       where the apiserver files will live on the control-plane nodes
+#                       (default /etc/kubernetes/clusterip)
 #   --dir DIR           where the key material is kept
 #   --new-ca            make a new CA even if one exists in --dir
 #   --drop-previous-ca  leave the previous CA out of the caBundle
@@ -37,6 +57,9 @@ set -euo pipefail
 namespace=clusterip-system
 service=clusterip-webhook
 secret=clusterip-webhook-tls
+client_ca_configmap=clusterip-webhook-client-ca
+client_name=kube-apiserver-webhook-client
+apiserver_config_dir=/etc/kubernetes/clusterip
 webhook=clusterip
 days=365
 ca_days=3650
@@ -58,6 +81,8 @@ while [ $# -gt 0 ]; do
     --secret) secret=${2:?}; shift 2 ;;
     --webhook) webhook=${2:?}; shift 2 ;;
     --days) days=${2:?}; shift 2 ;;
+    --client-name) client_name=${2:?}; shift 2 ;;
+    --apiserver-config-dir) apiserver_config_dir=${2:?}; shift 2 ;;
     --dir) dir=${2:?}; shift 2 ;;
     --new-ca) new_ca=1; shift ;;
     --drop-previous-ca) drop_previous=1; shift ;;
@@ -117,6 +142,63 @@ rm -f "$dir/tls.csr" "$dir/tls.ext"
 openssl verify -CAfile "$dir/ca.crt" "$dir/tls.crt" >/dev/null || die "the new serving certificate does not verify against $dir/ca.crt"
 log "made a serving certificate for $dns1, $dns2 (valid $days days)"
 
+# The client CA (made once) and the kube-apiserver's client certificate for the webhook.
+if [ ! -s "$dir/client-ca.crt" ] || [ ! -s "$dir/client-ca.key" ]; then
+  openssl ecparam -name prime256v1 -genkey -noout -out "$dir/client-ca.key" 2>/dev/null
+  openssl req -x509 -new -key "$dir/client-ca.key" -sha256 -days "$ca_days" \
+    -subj "/CN=clusterip-webhook-client-ca" \
+    -addext "basicConstraints=critical,CA:TRUE" \
+    -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    -out "$dir/client-ca.crt"
+  log "made a client CA in $dir (valid $ca_days days)"
+fi
+openssl ecparam -name prime256v1 -genkey -noout -out "$dir/apiserver-webhook-client.key" 2>/dev/null
+openssl req -new -key "$dir/apiserver-webhook-client.key" -subj "/CN=$client_name" -out "$dir/client.csr"
+cat > "$dir/client.ext" <<EOF
+basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature
+extendedKeyUsage=clientAuth
+EOF
+openssl x509 -req -in "$dir/client.csr" -CA "$dir/client-ca.crt" -CAkey "$dir/client-ca.key" -CAcreateserial \
+  -days "$days" -sha256 -extfile "$dir/client.ext" -out "$dir/apiserver-webhook-client.crt" 2>/dev/null
+rm -f "$dir/client.csr" "$dir/client.ext"
+openssl verify -CAfile "$dir/client-ca.crt" "$dir/apiserver-webhook-client.crt" >/dev/null ||
+  die "the new client certificate does not verify against $dir/client-ca.crt"
+log "made the kube-apiserver's client certificate for the webhook (CN $client_name, valid $days days)"
+
+# The kube-apiserver's side: both webhook admission plugins present the certificate to the
+# webhook Service (users[].name: the webhook's host, <service>.<namespace>.svc, port 443).
+mkdir -p "$dir/apiserver"
+cat > "$dir/apiserver/admission-kubeconfig.yaml" <<EOF
+apiVersion: v1
+kind: Config
+users:
+- name: $dns1
+  user:
+    client-certificate-data: $(base64 -w0 < "$dir/apiserver-webhook-client.crt")
+    client-key-data: $(base64 -w0 < "$dir/apiserver-webhook-client.key")
+- name: $dns1:443
+  user:
+    client-certificate-data: $(base64 -w0 < "$dir/apiserver-webhook-client.crt")
+    client-key-data: $(base64 -w0 < "$dir/apiserver-webhook-client.key")
+EOF
+cat > "$dir/apiserver/admission-config.yaml" <<EOF
+apiVersion: apiserver.config.k8s.io/v1
+kind: AdmissionConfiguration
+plugins:
+- name: MutatingAdmissionWebhook
+  configuration:
+    apiVersion: apiserver.config.k8s.io/v1
+    kind: WebhookAdmissionConfiguration
+    kubeConfigFile: $apiserver_config_dir/admission-kubeconfig.yaml
+- name: ValidatingAdmissionWebhook
+  configuration:
+    apiVersion: apiserver.config.k8s.io/v1
+    kind: WebhookAdmissionConfiguration
+    kubeConfigFile: $apiserver_config_dir/admission-kubeconfig.yaml
+EOF
+log "wrote the kube-apiserver's AdmissionConfiguration and kubeconfig to $dir/apiserver/ (install them under $apiserver_config_dir)"
+
 # What the apiserver trusts: the CA, plus the previous one during a CA rollover.
 cat "$dir/ca.crt" > "$dir/ca-bundle.crt"
 [ -s "$dir/ca-previous.crt" ] && cat "$dir/ca-previous.crt" >> "$dir/ca-bundle.crt"
@@ -142,6 +224,19 @@ data:
   tls.crt: $(base64 -w0 < "$dir/tls.crt")
   tls.key: $(base64 -w0 < "$dir/tls.key")
   ca.crt: $(base64 -w0 < "$dir/ca-bundle.crt")
+---
+# The CA of the kube-apiserver's client certificate (the controller's --client-ca-file).
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: $client_ca_configmap
+  namespace: $namespace
+  labels:
+    app.kubernetes.io/name: clusterip-controller
+    app.kubernetes.io/part-of: clusterip
+data:
+  ca.crt: |
+$(sed 's/^/    /' "$dir/client-ca.crt")
 EOF
 }
 
@@ -163,7 +258,7 @@ patch_ca_bundle() {
 if [ "$apply" = 0 ]; then
   secret_manifest
   cat >&2 <<EOF
-gen-webhook-certs: the Secret manifest is on stdout (kubectl apply -f - it). Then set the
+gen-webhook-certs: the Secret and ConfigMap manifests are on stdout (kubectl apply -f - them). Then set the
 gen-webhook-certs: caBundle of both webhook configurations (or rerun with --apply):
 gen-webhook-certs:   kubectl patch mutatingwebhookconfiguration $webhook --type=json -p '[{"op":"add","path":"/webhooks/0/clientConfig/caBundle","value":"<caBundle>"}]'
 gen-webhook-certs:   kubectl patch validatingwebhookconfiguration $webhook --type=json -p '[{"op":"add","path":"/webhooks/0/clientConfig/caBundle","value":"<caBundle>"}]'
@@ -177,7 +272,8 @@ if ! "${kubectl[@]}" get namespace "$namespace" >/dev/null 2>&1; then
   log "created namespace $namespace ('kubectl apply -k deploy/' adds its labels)"
 fi
 secret_manifest | "${kubectl[@]}" apply -f - >/dev/null
-log "Secret $namespace/$secret applied (the controller re-reads the files once the kubelet updates the volume, within about a minute)"
+log "Secret $namespace/$secret and ConfigMap $namespace/$client_ca_configmap applied (the controller re-reads the files once the kubelet updates the volumes, within about a minute)"
+log "the kube-apiserver must present $dir/apiserver-webhook-client.crt: install $dir/apiserver/* under $apiserver_config_dir on the control-plane nodes (docs/operations.md)"
 missing=0
 patch_ca_bundle mutatingwebhookconfiguration || missing=1
 patch_ca_bundle validatingwebhookconfiguration || missing=1

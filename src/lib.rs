@@ -5,6 +5,7 @@
 //! - [`alloc`]: the allocation map (pure, no I/O): static and dynamic allocation, release.
 //! - [`cli`]: the `clusterip` command line.
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
+//! - [`serve`]: HTTP serving with limits on what one client may hold (webhook, metrics).
 //! - [`telemetry`]: logging set-up shared by every binary.
 
 pub mod alloc;
@@ -14,6 +15,7 @@ pub mod controller;
 pub mod crds;
 pub mod metrics;
 pub mod repair;
+pub mod serve;
 pub mod store;
 pub mod telemetry;
 pub mod webhook;

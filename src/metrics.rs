@@ -12,6 +12,7 @@
 //! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_request_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_bad_requests_total` | counter | operation |
+//! | `clusterip_webhook_refused_connections_total` | counter | reason (client_certificate, tls_handshake, handshake_timeout) |
 //! | `clusterip_reconcile_errors_total` | counter | controller |
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
 //! | `clusterip_repair_reconcile_errors_total` | counter | |
@@ -49,6 +50,11 @@ pub struct OperationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RepairLabels {
     pub r#type: &'static str,
 }
@@ -70,6 +76,7 @@ pub struct Metrics {
     pub webhook_duration: Family<WebhookLabels, Histogram>,
     pub webhook_request_duration: Family<WebhookLabels, Histogram>,
     pub webhook_bad_requests: Family<OperationLabels, Counter>,
+    pub webhook_refused_connections: Family<ReasonLabels, Counter>,
     pub reconcile_errors: Family<ControllerLabels, Counter>,
     pub repair_ip_errors: Family<RepairLabels, Counter>,
     pub repair_reconcile_errors: Counter,
@@ -99,6 +106,7 @@ impl Metrics {
             webhook_duration: Family::new_with_constructor(latency_histogram),
             webhook_request_duration: Family::new_with_constructor(latency_histogram),
             webhook_bad_requests: Family::default(),
+            webhook_refused_connections: Family::default(),
             reconcile_errors: Family::default(),
             repair_ip_errors: Family::default(),
             repair_reconcile_errors: Counter::default(),
@@ -133,7 +141,12 @@ impl Metrics {
             prometheus_client::registry::Unit::Seconds,
             m.webhook_request_duration.clone(),
         );
-        web.register("bad_requests", "AdmissionReview requests rejected as malformed (HTTP 400)", m.webhook_bad_requests.clone());
+        web.register("bad_requests", "AdmissionReview requests rejected as malformed (HTTP 400) or whose body did not arrive in time (HTTP 408)", m.webhook_bad_requests.clone());
+        web.register(
+            "refused_connections",
+            "Connections to the webhook closed before any request: no valid client certificate, another TLS handshake failure, or a handshake not finished in time",
+            m.webhook_refused_connections.clone(),
+        );
         registry.register("reconcile_errors", "Reconciliation failures, by controller", m.reconcile_errors.clone());
         let repair = registry.sub_registry_with_prefix("repair");
         repair.register(
@@ -155,6 +168,10 @@ impl Metrics {
 
     pub fn webhook_bad_request(&self, operation: &'static str) {
         self.webhook_bad_requests.get_or_create(&OperationLabels { operation }).inc();
+    }
+
+    pub fn webhook_refused_connection(&self, reason: &'static str) {
+        self.webhook_refused_connections.get_or_create(&ReasonLabels { reason }).inc();
     }
 
     pub fn allocation(&self, cidr: &str, scope: &'static str, ok: bool, d: Duration) {
@@ -183,41 +200,45 @@ impl Metrics {
     }
 }
 
-/// Serve `/metrics`, `/healthz`, `/readyz` over plain HTTP until the task is dropped. The
-/// allocated/available gauges are refreshed from the store on each scrape.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>, store: std::sync::Arc<crate::store::metered::MeteredStore>) {
+/// Serve `/metrics`, `/healthz`, `/readyz` over plain HTTP (HTTP/1.1) until the task is
+/// dropped, with the same limits on clients as the webhook ([`crate::serve`]). The
+/// allocated/available gauges are refreshed from the store on each scrape. `/readyz`
+/// answers 503 once `draining` is set (the controller is shutting down).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: std::sync::Arc<Metrics>,
+    store: std::sync::Arc<crate::store::metered::MeteredStore>,
+    draining: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
     use http_body_util::Full;
     use hyper::body::Bytes;
     use hyper::{Response, StatusCode};
-    use hyper_util::rt::{TokioExecutor, TokioIo};
 
-    loop {
-        let Ok((tcp, _)) = listener.accept().await else { continue };
-        let metrics = metrics.clone();
-        let store = store.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let metrics = metrics.clone();
-                let store = store.clone();
-                async move {
-                    let (status, body) = match req.uri().path() {
-                        "/metrics" => {
-                            let _ = store.refresh_gauges().await;
-                            (StatusCode::OK, metrics.encode())
-                        }
-                        "/healthz" | "/livez" => (StatusCode::OK, "ok".to_string()),
-                        "/readyz" => match crate::store::AllocationStore::usage(store.as_ref()).await {
-                            Ok(_) => (StatusCode::OK, "ok".to_string()),
-                            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("allocation store not ready: {e}")),
-                        },
-                        _ => (StatusCode::NOT_FOUND, "not found; try /metrics, /healthz or /readyz".to_string()),
-                    };
-                    let mut resp = Response::new(Full::new(Bytes::from(body)));
-                    *resp.status_mut() = status;
-                    Ok::<_, std::convert::Infallible>(resp)
+    let handler = move |req: hyper::Request<hyper::body::Incoming>| {
+        let (metrics, store, draining) = (metrics.clone(), store.clone(), draining.clone());
+        async move {
+            let (status, body) = match req.uri().path() {
+                "/metrics" => {
+                    let _ = store.refresh_gauges().await;
+                    (StatusCode::OK, metrics.encode())
                 }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tcp), svc).await;
-        });
-    }
+                "/healthz" | "/livez" => (StatusCode::OK, "ok".to_string()),
+                "/readyz" if draining.load(std::sync::atomic::Ordering::SeqCst) => (StatusCode::SERVICE_UNAVAILABLE, "shutting down".to_string()),
+                "/readyz" => match crate::store::AllocationStore::usage(store.as_ref()).await {
+                    Ok(_) => (StatusCode::OK, "ok".to_string()),
+                    Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("allocation store not ready: {e}")),
+                },
+                _ => (StatusCode::NOT_FOUND, "not found; try /metrics, /healthz or /readyz".to_string()),
+            };
+            let mut resp = Response::new(Full::new(Bytes::from(body)));
+            *resp.status_mut() = status;
+            resp
+        }
+    };
+    // Probes and scrapers: a few connections at a time.
+    let limits = crate::serve::Limits { max_connections: 64, ..Default::default() };
+    let server = crate::serve::Server { name: "metrics", tls: None, limits, handler, on_refusal: None };
+    // Serves for as long as the process runs (through the shutdown drain: /readyz must answer).
+    let (_never, stop) = tokio::sync::watch::channel(false);
+    crate::serve::serve(listener, server, stop, std::time::Duration::ZERO).await;
 }

@@ -79,13 +79,21 @@ impl Webhook {
     /// `replicas` controller processes (identities replica-0, replica-1, …) sharing one
     /// backend and one leader Lease, behind a round-robin TCP proxy the webhook URL names.
     async fn start_replicas(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice) -> Webhook {
+        let mut wh = Self::register(cp, backend, replicas, slice, &controller_common::client_auth_args(cp)).await;
+        wh.wait_registered().await;
+        wh
+    }
+
+    /// The controllers (with `auth`: their client-certificate flags) and the registration,
+    /// without waiting for the apiserver to call the webhook.
+    async fn register(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice, auth: &[String]) -> Webhook {
         let client = cp.client().await;
         let name = unique_name("e2e");
         let pki = cp.dir().join("pki");
         let mut children = Vec::new();
         let mut ports = Vec::new();
         for i in 0..replicas {
-            let c = spawn_controller(cp, backend, &name, i, slice);
+            let c = spawn_controller(cp, backend, &name, i, slice, auth);
             c.wait_ready().await;
             ports.push(c.webhook_port);
             children.push(c);
@@ -93,7 +101,7 @@ impl Webhook {
         let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("proxy listener");
         let webhook_port = proxy.local_addr().expect("proxy address").port();
         tokio::spawn(round_robin(proxy, ports));
-        let mut wh = Webhook { children, name: name.clone(), namespace: name.clone(), client: client.clone(), slice };
+        let wh = Webhook { children, name: name.clone(), namespace: name.clone(), client: client.clone(), slice };
 
         let ca = std::fs::read(pki.join("ca.crt")).expect("dev CA");
         use base64::Engine as _;
@@ -118,7 +126,6 @@ impl Webhook {
         Api::<ValidatingWebhookConfiguration>::all(client.clone()).create(&PostParams::default(), &validating).await.expect("register validating webhook");
         let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": {"clusterip.allocator/e2e": name}}})).expect("namespace");
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create namespace");
-        wh.wait_registered().await;
         wh
     }
 
@@ -170,11 +177,12 @@ impl Drop for Webhook {
     }
 }
 
-/// Start one controller replica (it picks its own ports).
-fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice) -> Controller {
+/// Start one controller replica (it picks its own ports) with `auth`, its client-certificate
+/// flags ([`controller_common::client_auth_args`]: only the kube-apiserver's certificate).
+fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice, auth: &[String]) -> Controller {
     let pki = cp.dir().join("pki");
     let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
-    Controller::start([
+    Controller::start(auth.iter().map(String::as_str).chain([
         "--backend",
         backend,
         "--service-cidr",
@@ -195,7 +203,7 @@ fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize
         &crt.display().to_string(),
         "--tls-private-key-file",
         &key.display().to_string(),
-    ])
+    ]))
 }
 
 /// Forward each connection to the next replica that accepts it (TLS passes through).
@@ -633,4 +641,35 @@ async fn free_leftover(client: &Client, ip: IpAddr, prefix: &str) {
         assert!(Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The real kube-apiserver presents its client certificate (every other test here passes
+/// only because it does); a webhook that does not accept it — the right CA, another name —
+/// refuses the apiserver's connection before any request: the create fails with the
+/// apiserver's TLS error, nothing admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_webhook_that_does_not_accept_the_apiservers_certificate_admits_nothing() {
+    let cp = control_plane();
+    let auth: Vec<String> = ["--client-ca-file", cp.var("CLUSTERIP_WEBHOOK_CLIENT_CA"), "--allowed-client-names", "someone-else"].iter().map(|s| s.to_string()).collect();
+    let wh = Webhook::register(&cp, "etcd", 1, Slice(8), &auth).await;
+    let api = wh.services();
+    // The apiserver picks the registration up asynchronously: until then creates succeed
+    // (dry runs here, so nothing is held); then every create fails at the TLS handshake.
+    let dry = PostParams { dry_run: true, ..Default::default() };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let message = loop {
+        match api.create(&dry, &service("probe", |_| {})).await {
+            Err(kube::Error::Api(s)) => break s.message,
+            Ok(_) => assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s"),
+            Err(e) => panic!("probing the webhook registration: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(message.contains("failed calling webhook \"assign.clusterip.allocator\"") && message.contains("remote error: tls: unknown certificate"), "{message}");
+    match api.create(&PostParams::default(), &service("refused", |_| {})).await {
+        Err(kube::Error::Api(s)) => assert!(s.message.contains("remote error: tls: unknown certificate"), "{s:?}"),
+        other => panic!("a create through a webhook refusing the apiserver: {other:?}"),
+    }
+    let log = wh.children[0].log();
+    assert!(log.contains("refused a connection: no valid client certificate") && log.contains("someone-else"), "{log}");
 }

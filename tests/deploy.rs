@@ -28,6 +28,8 @@ use serde_json::Value;
 const NS: &str = "clusterip-system";
 const SECRET: &str = "clusterip-webhook-tls";
 const LEASE: &str = "clusterip-controller";
+const CLIENT_CA: &str = "clusterip-webhook-client-ca";
+const CLIENT_NAME: &str = "kube-apiserver-webhook-client";
 
 fn text(out: &Output) -> String {
     format!("status {}\nstdout:\n{}\nstderr:\n{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
@@ -211,6 +213,7 @@ fn deploy_tree_passes_a_server_side_dry_run() {
         ("Deployment", NS, "clusterip-controller"),
         ("PodDisruptionBudget", NS, "clusterip-controller"),
         ("Service", NS, "clusterip-webhook"),
+        ("NetworkPolicy", NS, "clusterip-controller"),
         ("MutatingWebhookConfiguration", "", "clusterip"),
         ("ValidatingWebhookConfiguration", "", "clusterip"),
         // The node agent (deploy/agent), included as a resource.
@@ -313,6 +316,41 @@ fn deploy_tree_passes_a_server_side_dry_run() {
     let dir = mount["mountPath"].as_str().expect("mountPath");
     assert!(args.contains(&format!("--tls-cert-file={dir}/tls.crt")), "{args:?}");
     assert!(args.contains(&format!("--tls-private-key-file={dir}/tls.key")), "{args:?}");
+    // Only the kube-apiserver may call the webhook: the client CA from the ConfigMap the
+    // script makes, mounted where --client-ca-file points, and a name to match.
+    let volume = pod["volumes"].as_array().expect("volumes").iter().find(|v| v["configMap"]["name"] == CLIENT_CA).expect("client CA ConfigMap volume");
+    let mount = c["volumeMounts"].as_array().expect("mounts").iter().find(|m| m["name"] == volume["name"]).expect("client CA mounted");
+    let dir = mount["mountPath"].as_str().expect("mountPath");
+    assert!(args.contains(&format!("--client-ca-file={dir}/ca.crt")), "{args:?}");
+    assert!(args.contains(&format!("--allowed-client-names={CLIENT_NAME}")), "the name the script's client certificate carries: {args:?}");
+    // The shutdown drain fits in the grace period.
+    let flag = |name: &str| -> u64 {
+        let v = args.iter().find_map(|a| a.strip_prefix(&format!("--{name}="))).unwrap_or_else(|| panic!("--{name} not set: {args:?}"));
+        v.strip_suffix('s').and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("--{name}={v}: want whole seconds"))
+    };
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().expect("terminationGracePeriodSeconds");
+    assert!(flag("shutdown-delay-duration") + flag("shutdown-drain-timeout") + 5 <= grace, "delay + drain + 5 s > {grace} s: {args:?}");
+
+    // The NetworkPolicy: on the controller pods, ingress only; the webhook port only from
+    // address blocks (the kube-apiserver is host-network: no selector can name it), never
+    // from everywhere; the metrics port open (kubelet probes, Prometheus).
+    let np = find(&items, "NetworkPolicy", NS, "clusterip-controller");
+    assert_eq!(np["spec"]["podSelector"]["matchLabels"], deploy["spec"]["selector"]["matchLabels"]);
+    assert_eq!(strings(&np["spec"]["policyTypes"]), vec!["Ingress".to_string()], "egress stays open (apiserver, etcd)");
+    let rules = np["spec"]["ingress"].as_array().expect("ingress rules");
+    let ports_of = |r: &Value| r["ports"].as_array().map(|ps| ps.iter().map(|p| p["port"].clone()).collect::<Vec<_>>()).unwrap_or_default();
+    let webhook_rules: Vec<&Value> = rules.iter().filter(|r| ports_of(r).contains(&Value::from("webhook"))).collect();
+    assert_eq!(webhook_rules.len(), 1, "{rules:?}");
+    let from = webhook_rules[0]["from"].as_array().expect("the webhook rule names its sources");
+    assert!(!from.is_empty(), "{from:?}");
+    for peer in from {
+        assert!(peer["ipBlock"]["cidr"].is_string() && peer.get("podSelector").is_none() && peer.get("namespaceSelector").is_none(), "{peer}");
+        assert!(!strings(&peer["ipBlock"]["except"]).is_empty(), "the pod network is left out: {peer}");
+    }
+    assert!(rules.iter().any(|r| ports_of(r) == vec![Value::from("metrics")] && r.get("from").is_none()), "{rules:?}");
+    for r in rules {
+        assert!(!ports_of(r).is_empty(), "a rule opening every port: {r}");
+    }
 
     let pdb = find(&items, "PodDisruptionBudget", NS, "clusterip-controller");
     assert_eq!(pdb["spec"]["minAvailable"], 1);
@@ -361,6 +399,7 @@ fn deploy_tree_passes_a_server_side_dry_run() {
     let out = run_with_stdin(cmd, manifest.as_bytes());
     assert!(out.status.success(), "the script's Secret: {}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("secret/{SECRET}")), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("configmap/{CLIENT_CA}")), "{}", text(&out));
 
     drop(ns);
     if namespace_phase(&cp).is_some() && !matches!(namespace_phase(&cp).as_deref(), Some("Active")) {
@@ -407,6 +446,11 @@ fn cert_manager_component_renders() {
         "name: clusterip-webhook\n  namespace: clusterip-system",
         &format!("secretName: {SECRET}"),
         "- clusterip-webhook.clusterip-system.svc\n",
+        // The kube-apiserver's client certificate, and the controller trusting its CA.
+        "name: clusterip-apiserver-webhook-client\n  namespace: clusterip-system",
+        &format!("commonName: {CLIENT_NAME}"),
+        "- client auth",
+        "secretName: clusterip-apiserver-webhook-client\n",
     ] {
         assert!(yaml.contains(needle), "{needle:?} missing from the rendered tree:\n{yaml}");
     }
@@ -421,6 +465,8 @@ fn cert_manager_component_renders() {
     assert!(out.status.success(), "kubectl kustomize deploy/: {}", text(&out));
     let plain = String::from_utf8_lossy(&out.stdout);
     assert!(!plain.contains("cert-manager.io") && !plain.contains("kind: Certificate"), "deploy/ pulls in cert-manager:\n{plain}");
+    assert!(plain.contains(&format!("name: {CLIENT_CA}")), "the client CA ConfigMap volume:\n{plain}");
+    assert!(!yaml.contains(&format!("name: {CLIENT_CA}")), "with cert-manager the client CA comes from the Secret:\n{yaml}");
 }
 
 #[test]
@@ -441,6 +487,30 @@ fn gen_webhook_certs_makes_a_serving_cert_for_the_service() {
     assert!(ext.contains("DNS:clusterip-webhook.clusterip-system.svc,"), "{ext}");
     assert!(ext.contains("DNS:clusterip-webhook.clusterip-system.svc.cluster.local"), "{ext}");
     assert!(ext.contains("TLS Web Server Authentication"), "{ext}");
+    for needle in [format!("name: {CLIENT_CA}"), "kind: ConfigMap".to_string(), "ca.crt: |".to_string()] {
+        assert!(manifest.contains(&needle), "{needle:?} missing from the manifests:\n{manifest}");
+    }
+    // The kube-apiserver's client certificate, from the client CA, for the Deployment's name,
+    // and its AdmissionConfiguration + kubeconfig presenting it to the webhook Service.
+    openssl(&["verify", "-CAfile", "client-ca.crt", "apiserver-webhook-client.crt"]);
+    let subject = openssl(&["x509", "-in", "apiserver-webhook-client.crt", "-noout", "-subject", "-ext", "extendedKeyUsage"]);
+    assert!(subject.contains(&format!("CN = {CLIENT_NAME}")) || subject.contains(&format!("CN={CLIENT_NAME}")), "{subject}");
+    assert!(subject.contains("TLS Web Client Authentication"), "{subject}");
+    let admission = std::fs::read_to_string(dir.join("apiserver/admission-config.yaml")).expect("admission-config.yaml");
+    let admission: Value = serde_yaml::from_str(&admission).expect("AdmissionConfiguration YAML");
+    assert_eq!((admission["apiVersion"].as_str(), admission["kind"].as_str()), (Some("apiserver.config.k8s.io/v1"), Some("AdmissionConfiguration")));
+    let plugins: BTreeSet<String> = admission["plugins"].as_array().expect("plugins").iter().filter_map(|p| p["name"].as_str().map(str::to_string)).collect();
+    assert_eq!(plugins, ["MutatingAdmissionWebhook", "ValidatingAdmissionWebhook"].iter().map(|s| s.to_string()).collect());
+    for p in admission["plugins"].as_array().expect("plugins") {
+        assert_eq!(p["configuration"]["kind"], "WebhookAdmissionConfiguration", "{p:?}");
+        assert_eq!(p["configuration"]["kubeConfigFile"], "/etc/kubernetes/clusterip/admission-kubeconfig.yaml", "{p:?}");
+    }
+    let kubeconfig: Value = serde_yaml::from_str(&std::fs::read_to_string(dir.join("apiserver/admission-kubeconfig.yaml")).expect("kubeconfig")).expect("kubeconfig YAML");
+    let users: Vec<&str> = kubeconfig["users"].as_array().expect("users").iter().filter_map(|u| u["name"].as_str()).collect();
+    assert_eq!(users, vec!["clusterip-webhook.clusterip-system.svc", "clusterip-webhook.clusterip-system.svc:443"]);
+    use base64::Engine as _;
+    let embedded = base64::engine::general_purpose::STANDARD.decode(kubeconfig["users"][0]["user"]["client-certificate-data"].as_str().expect("certificate data")).expect("base64");
+    assert_eq!(embedded, std::fs::read(dir.join("apiserver-webhook-client.crt")).expect("client certificate"));
 
     // A second run renews the serving certificate under the same CA: the caBundle stays.
     let bundle = |extra: &[&str]| {

@@ -22,7 +22,7 @@ use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
 use clusterip::store::{AllocationStore, ParentRef};
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
-use controller_common::Controller;
+use controller_common::{metric, Controller};
 use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -437,10 +437,6 @@ async fn scrape(port: u16) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
-fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn controller_repair_loop_releases_a_leak_after_three_passes() {
     let cp = control_plane();
@@ -451,7 +447,8 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
     let pki = cp.dir().join("pki");
     let (etcd, kubeconfig) = (cp.etcd_endpoints().join(","), cp.kubeconfig().display().to_string());
     let (crt, key) = (pki.join("webhook.crt").display().to_string(), pki.join("webhook.key").display().to_string());
-    let mut child = Controller::start([
+    let auth = controller_common::client_auth_args(&cp);
+    let mut child = Controller::start(auth.iter().map(String::as_str).chain([
         "--backend",
         "etcd",
         "--service-cidr",
@@ -472,7 +469,7 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
         &crt,
         "--tls-private-key-file",
         &key,
-    ]);
+    ]));
     let metrics_port = child.metrics_port;
     let leak_series = "clusterip_repair_ip_errors_total{type=\"leak\"}";
     // The first pass (at start) sees the leak and keeps it.

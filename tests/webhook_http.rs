@@ -1,25 +1,38 @@
-//! The webhook's HTTPS endpoint as a client sees it: real TLS (the dev CA), bad bodies get a
-//! clear 400 and leave the server serving, a rotated serving certificate is picked up
-//! without a restart, and /metrics, /healthz, /readyz answer with Kubernetes-style names.
+//! The webhook's HTTPS endpoint as a client sees it: real TLS (the dev CA); only callers
+//! with the kube-apiserver's client certificate get an answer (anyone else gets none and
+//! reserves nothing); bad bodies get a clear 400 and leave the server serving; slow clients
+//! are disconnected while others are served; accept() failures (out of descriptors) back off
+//! instead of spinning; SIGTERM drains (readyz 503, requests in flight answered, exit 0); a rotated serving certificate is picked up without a restart; and
+//! /metrics, /healthz, /readyz answer with Kubernetes-style names.
 
 mod controller_common;
 
-use std::path::Path;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clusterip::store::AllocationStore;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
-use controller_common::Controller;
+use controller_common::{apiserver_client_cert, client_auth_args, metric, Controller};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn start(cp: &ControlPlane, cert: &Path, key: &Path) -> Controller {
+const RANGE: &str = "198.18.200.0/24";
+
+/// A controller (etcd backend, range [`RANGE`], records under an etcd prefix of its own,
+/// returned beside it) serving `cert`/`key`, accepting the kube-apiserver's client
+/// certificate, with `extra` flags; returned once ready.
+fn start(cp: &ControlPlane, cert: &Path, key: &Path, extra: &[&str]) -> (Controller, String) {
     let name = unique_name("http");
     let (etcd, prefix, kubeconfig) = (cp.etcd_endpoints().join(","), format!("/clusterip-test/{name}"), cp.kubeconfig().display().to_string());
     let (cert, key) = (cert.display().to_string(), key.display().to_string());
-    let c = Controller::start([
+    let auth = client_auth_args(cp);
+    let args = [
         "--backend",
         "etcd",
         "--service-cidr",
-        "198.18.200.0/24",
+        RANGE,
         "--etcd-endpoints",
         &etcd,
         "--etcd-prefix",
@@ -34,13 +47,19 @@ fn start(cp: &ControlPlane, cert: &Path, key: &Path) -> Controller {
         &cert,
         "--tls-private-key-file",
         &key,
-    ]);
+    ];
+    let c = Controller::start(args.iter().copied().chain(auth.iter().map(String::as_str)).chain(extra.iter().copied()));
     let deadline = Instant::now() + Duration::from_secs(120);
     while http_get(c.metrics_port, "/readyz").0 != 200 {
         assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", c.log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    c
+    (c, prefix)
+}
+
+fn serving_cert(cp: &ControlPlane) -> (PathBuf, PathBuf) {
+    let pki = cp.dir().join("pki");
+    (pki.join("webhook.crt"), pki.join("webhook.key"))
 }
 
 /// (status, body) of a plain-HTTP GET on the metrics port, via curl.
@@ -57,11 +76,31 @@ fn split_status(out: &str) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
-/// (status, body) of an HTTPS POST to the webhook, verifying its certificate with `ca`.
-fn post(port: u16, ca: &Path, path: &str, body: &Path, http1: bool) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-s", "--max-time", "10", if http1 { "--http1.1" } else { "--http2" }, "--cacert"])
-        .arg(ca)
+/// The client certificate a request presents.
+#[derive(Clone, Copy)]
+enum Caller<'a> {
+    /// The kube-apiserver's (the only one the webhook accepts).
+    Apiserver(&'a ControlPlane),
+    /// None at all.
+    Anonymous,
+    /// Another certificate and key.
+    Cert(&'a Path, &'a Path),
+}
+
+/// (status, body) of an HTTPS POST to the webhook, verifying its certificate with `ca`;
+/// status 0 when no HTTP answer came.
+fn post(port: u16, ca: &Path, caller: Caller, path: &str, body: &Path, http1: bool) -> (u16, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-s", "--max-time", "10", if http1 { "--http1.1" } else { "--http2" }, "--cacert"]).arg(ca);
+    let cert = match caller {
+        Caller::Apiserver(cp) => Some(apiserver_client_cert(cp)),
+        Caller::Anonymous => None,
+        Caller::Cert(c, k) => Some((c.to_path_buf(), k.to_path_buf())),
+    };
+    if let Some((cert, key)) = cert {
+        cmd.arg("--cert").arg(cert).arg("--key").arg(key);
+    }
+    let out = cmd
         .args(["-H", "Content-Type: application/json", "--data-binary"])
         .arg(format!("@{}", body.display()))
         .args(["-w", "\n%{http_code}", &format!("https://127.0.0.1:{port}{path}")])
@@ -70,9 +109,28 @@ fn post(port: u16, ca: &Path, path: &str, body: &Path, http1: bool) -> (u16, Str
     split_status(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// An AdmissionReview (CREATE) of the Service `default/<name>` with `spec`.
+fn review(uid: &str, name: &str, spec: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Service"},
+            "resource": {"group": "", "version": "v1", "resource": "services"},
+            "name": name, "namespace": "default", "operation": "CREATE",
+            "userInfo": {"username": "test"}, "dryRun": false,
+            "object": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+        }
+    })
+}
+
 /// SHA-256 fingerprint of the certificate the webhook serves now.
-fn served_fingerprint(port: u16) -> String {
-    let script = format!("openssl s_client -connect 127.0.0.1:{port} </dev/null 2>/dev/null | openssl x509 -noout -fingerprint -sha256");
+fn served_fingerprint(cp: &ControlPlane, port: u16) -> String {
+    let (crt, key) = apiserver_client_cert(cp);
+    let script = format!(
+        "openssl s_client -connect 127.0.0.1:{port} -cert {} -key {} </dev/null 2>/dev/null | openssl x509 -noout -fingerprint -sha256",
+        crt.display(),
+        key.display()
+    );
     let out = Command::new("sh").args(["-c", &script]).output().expect("openssl");
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
@@ -82,47 +140,101 @@ fn file_fingerprint(cert: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+fn openssl(args: &[&str]) {
+    let out = Command::new("openssl").args(args).stdin(Stdio::null()).output().expect("run openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A certificate `<dir>/<tag>.crt` (key `<tag>.key`) for subject CN `cn` with the
+/// extensions `ext`, signed by `ca`/`ca_key`.
+fn issue(ca: &Path, ca_key: &Path, dir: &Path, tag: &str, cn: &str, ext: &str) -> (PathBuf, PathBuf) {
+    let p = |name: String| dir.join(name).display().to_string();
+    let (crt, key, csr, extfile, serial) = (p(format!("{tag}.crt")), p(format!("{tag}.key")), p(format!("{tag}.csr")), p(format!("{tag}.ext")), p(format!("{tag}.srl")));
+    std::fs::write(&extfile, ext).expect("ext");
+    openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", &format!("/CN={cn}"), "-keyout", &key, "-out", &csr]);
+    let (ca, ca_key) = (ca.display().to_string(), ca_key.display().to_string());
+    openssl(&["x509", "-req", "-days", "1", "-in", &csr, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-CAserial", &serial, "-extfile", &extfile, "-out", &crt]);
+    (crt.into(), key.into())
+}
+
 /// A new serving certificate for 127.0.0.1 signed by the dev cluster's CA.
-fn issue_cert(pki: &Path, dir: &Path, tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
-    let (key, csr, crt, ext) = (dir.join(format!("{tag}.key")), dir.join(format!("{tag}.csr")), dir.join(format!("{tag}.crt")), dir.join("ext"));
-    std::fs::write(&ext, "subjectAltName = IP:127.0.0.1\nextendedKeyUsage = serverAuth\n").expect("ext");
-    let ok = Command::new("openssl")
-        .args(["req", "-newkey", "rsa:2048", "-nodes", "-subj", &format!("/CN={tag}"), "-keyout"])
-        .arg(&key)
-        .arg("-out")
-        .arg(&csr)
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl req")
-        .success()
-        && Command::new("openssl")
-            .args(["x509", "-req", "-days", "1", "-in"])
-            .arg(&csr)
-            .arg("-CA")
-            .arg(pki.join("ca.crt"))
-            .arg("-CAkey")
-            .arg(pki.join("ca.key"))
-            .args(["-CAcreateserial", "-CAserial"])
-            .arg(dir.join("ca.srl"))
-            .arg("-extfile")
-            .arg(&ext)
-            .arg("-out")
-            .arg(&crt)
-            .stderr(Stdio::null())
-            .status()
-            .expect("openssl x509")
-            .success();
-    assert!(ok, "issuing a test certificate failed");
-    (crt, key)
+fn issue_cert(pki: &Path, dir: &Path, tag: &str) -> (PathBuf, PathBuf) {
+    issue(&pki.join("ca.crt"), &pki.join("ca.key"), dir, tag, tag, "subjectAltName = IP:127.0.0.1\nextendedKeyUsage = serverAuth\n")
+}
+
+/// A TLS client of the webhook presenting the kube-apiserver's client certificate, offering
+/// only HTTP/1.1.
+fn tls_client(cp: &ControlPlane) -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(cp.dir().join("pki/ca.crt")).expect("dev CA") {
+        roots.add(c.expect("CA certificate")).expect("trust the dev CA");
+    }
+    let (crt, key) = apiserver_client_cert(cp);
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(crt).expect("client cert").collect::<Result<_, _>>().expect("client cert PEM");
+    let key = PrivateKeyDer::from_pem_file(key).expect("client key");
+    let mut cfg = ClientConfig::builder_with_provider(Arc::new(tokio_rustls::rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .expect("client certificate");
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+}
+
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn tls_connect(connector: &tokio_rustls::TlsConnector, port: u16) -> std::io::Result<Tls> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("server name");
+    connector.connect(name, tcp).await
+}
+
+/// Read until the peer closes the connection (EOF or an error), for at most `limit`; true
+/// when it did. What was read is appended to `got`.
+async fn closed_within<R: tokio::io::AsyncRead + Unpin>(r: &mut R, limit: Duration, got: &mut Vec<u8>) -> bool {
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, r.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// The head of an HTTP/1.1 POST to `path` with a body of `len` bytes.
+fn post_head(path: &str, len: usize) -> String {
+    format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n")
+}
+
+/// An HTTP/1.1 POST of `body` to `path` on a connection of its own: the whole answer.
+async fn post_raw(connector: &tokio_rustls::TlsConnector, port: u16, path: &str, body: &[u8]) -> std::io::Result<String> {
+    let mut s = tls_connect(connector, port).await?;
+    s.write_all(post_head(path, body.len()).as_bytes()).await?;
+    s.write_all(body).await?;
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).await?;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
+/// Whether a raw HTTP/1.1 answer is a 200 that allows the review.
+fn allowed(answer: &str) -> bool {
+    answer.starts_with("HTTP/1.1 200") && answer.contains("\"allowed\":true")
 }
 
 #[test]
 fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
     let cp = control_plane();
-    let pki = cp.dir().join("pki");
-    let c = start(&cp, &pki.join("webhook.crt"), &pki.join("webhook.key"));
+    let (crt, key) = serving_cert(&cp);
+    let (c, _) = start(&cp, &crt, &key, &[]);
     let dir = tempfile::tempdir().expect("tempdir");
-    let ca = pki.join("ca.crt");
+    let ca = cp.dir().join("pki/ca.crt");
+    let apiserver = Caller::Apiserver(&cp);
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("empty", Vec::new(), "empty body"),
         ("garbage", b"\x00\xffnot json at all".to_vec(), "not an AdmissionReview"),
@@ -136,35 +248,23 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
         for path in ["/mutate", "/validate"] {
             // The oversized body over HTTP/1.1: over HTTP/2 the early 400 is followed by a
             // stream reset (the body is never read), which curl reports as a failed transfer.
-            let (code, text) = post(c.webhook_port, &ca, path, &file, what == "oversized");
+            let (code, text) = post(c.webhook_port, &ca, apiserver, path, &file, what == "oversized");
             assert_eq!(code, 400, "{what} on {path}: {text}");
             assert!(text.contains(says), "{what} on {path}: {text:?} lacks {says:?}");
         }
     }
     // Still serving: a well-formed review gets an address (and one for an address outside
     // the range is refused), which also fills the allocator's metric families.
-    let review = |uid: &str, spec: serde_json::Value| {
-        serde_json::json!({
-            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "request": {
-                "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Service"},
-                "resource": {"group": "", "version": "v1", "resource": "services"},
-                "name": "web", "namespace": "default", "operation": "CREATE",
-                "userInfo": {"username": "test"}, "dryRun": false,
-                "object": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "default"}, "spec": spec}
-            }
-        })
-    };
     let file = dir.path().join("review");
-    std::fs::write(&file, review("u1", serde_json::json!({"ports": [{"port": 80}]})).to_string()).expect("write");
-    let (code, text) = post(c.webhook_port, &ca, "/mutate", &file, false);
+    std::fs::write(&file, review("u1", "web", serde_json::json!({"ports": [{"port": 80}]})).to_string()).expect("write");
+    let (code, text) = post(c.webhook_port, &ca, apiserver, "/mutate", &file, false);
     assert_eq!(code, 200, "{text}");
     let answer: serde_json::Value = serde_json::from_str(&text).expect("AdmissionReview answer");
     assert_eq!(answer["response"]["uid"], "u1");
     assert_eq!(answer["response"]["allowed"], true, "{text}");
     assert_eq!(answer["response"]["patchType"], "JSONPatch", "{text}");
-    std::fs::write(&file, review("u2", serde_json::json!({"clusterIP": "198.18.99.9", "ports": [{"port": 80}]})).to_string()).expect("write");
-    let (code, text) = post(c.webhook_port, &ca, "/mutate", &file, false);
+    std::fs::write(&file, review("u2", "web", serde_json::json!({"clusterIP": "198.18.99.9", "ports": [{"port": 80}]})).to_string()).expect("write");
+    let (code, text) = post(c.webhook_port, &ca, apiserver, "/mutate", &file, false);
     assert_eq!(code, 200, "{text}");
     let answer: serde_json::Value = serde_json::from_str(&text).expect("AdmissionReview answer");
     assert_eq!(answer["response"]["allowed"], false, "{text}");
@@ -187,6 +287,279 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
     }
 }
 
+/// Only the kube-apiserver makes admission act: a request without a client certificate,
+/// with one from another CA (even for the apiserver's name), or with one from the right CA
+/// for another name gets no HTTP answer at all, and the static address it asked for stays
+/// free — the apiserver's certificate then gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_apiservers_client_certificate_there_is_no_answer_and_nothing_is_reserved() {
+    let cp = control_plane();
+    let (crt, key) = serving_cert(&cp);
+    let (c, prefix) = start(&cp, &crt, &key, &[]);
+    let pki = cp.dir().join("pki");
+    let ca = pki.join("ca.crt");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    // Another CA, and a client certificate from it carrying the apiserver's very name.
+    let (other_ca, other_ca_key) = (d.join("other-ca.crt"), d.join("other-ca.key"));
+    openssl(&[
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=not-the-dev-ca",
+        "-keyout", &other_ca_key.display().to_string(), "-out", &other_ca.display().to_string(),
+    ]);
+    let client_ext = "extendedKeyUsage = clientAuth\n";
+    let name = cp.var("CLUSTERIP_WEBHOOK_CLIENT_NAME").to_string();
+    let (impostor_crt, impostor_key) = issue(&other_ca, &other_ca_key, d, "impostor", &name, client_ext);
+
+    // A static address of the range (its static band is the first 16 addresses).
+    let ip: IpAddr = "198.18.200.9".parse().expect("ip");
+    let file = d.join("review");
+    std::fs::write(&file, review("static", "static", serde_json::json!({"clusterIP": ip.to_string(), "ports": [{"port": 80}]})).to_string()).expect("write");
+    let (admin_crt, admin_key) = (pki.join("admin.crt"), pki.join("admin.key"));
+    let callers = [
+        ("no client certificate", Caller::Anonymous),
+        ("a certificate from another CA", Caller::Cert(&impostor_crt, &impostor_key)),
+        ("a certificate of the dev CA for another name", Caller::Cert(&admin_crt, &admin_key)),
+    ];
+    for (what, caller) in callers {
+        for http1 in [false, true] {
+            let (code, text) = post(c.webhook_port, &ca, caller, "/mutate", &file, http1);
+            assert_eq!(code, 0, "{what} (HTTP/1.1: {http1}) got an HTTP answer: {code} {text}");
+            assert!(text.is_empty(), "{what}: {text}");
+        }
+    }
+    let (_, metrics) = http_get(c.metrics_port, "/metrics");
+    assert_eq!(metric(&metrics, "clusterip_webhook_refused_connections_total{reason=\"client_certificate\"}"), Some(6.0), "{metrics}");
+    assert!(c.log().contains("refused a connection: no valid client certificate"), "{}", c.log());
+
+    // Nothing was recorded...
+    let range = clusterip::cidr::ServiceCidr::parse(RANGE).expect("range");
+    let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix, ..Default::default() };
+    let records = clusterip::store::etcd::EtcdStore::open(&cfg, vec![range.clone()]).await.expect("open the records");
+    assert!(!records.has(ip).await.expect("read the records"), "{ip} recorded for a caller without the apiserver's certificate");
+    drop(records);
+    // ...and the apiserver's certificate gets the address.
+    let (code, text) = post(c.webhook_port, &ca, Caller::Apiserver(&cp), "/mutate", &file, false);
+    assert_eq!(code, 200, "{text}");
+    let answer: serde_json::Value = serde_json::from_str(&text).expect("AdmissionReview answer");
+    assert_eq!(answer["response"]["allowed"], true, "{ip} not free after the refused requests: {text}");
+    let records = clusterip::store::etcd::EtcdStore::open(&cfg, vec![range]).await.expect("open the records");
+    assert!(records.has(ip).await.expect("read the records"), "{ip} not recorded after the apiserver's request");
+}
+
+/// A client that never finishes its TLS handshake, one that sends its request headers a
+/// byte at a time, and one that never sends the body it announced are each disconnected
+/// (the last with a 408) within a bound, while other requests are answered meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_disconnected_while_others_are_served() {
+    let cp = control_plane();
+    let (crt, key) = serving_cert(&cp);
+    // A short read timeout; the bounds asserted below are many times longer (a loaded machine).
+    let (c, _) = start(&cp, &crt, &key, &["--webhook-read-timeout", "2s"]);
+    let port = c.webhook_port;
+    let connector = tls_client(&cp);
+    let bound = Duration::from_secs(60);
+
+    // 1. TCP, then silence: no TLS handshake.
+    let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    // 2. TLS with the right certificate, then request headers one byte every 200 ms.
+    let mut loris = tls_connect(&connector, port).await.expect("TLS");
+    let dribble = tokio::spawn(async move {
+        let head = b"POST /mutate HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+        let started = Instant::now();
+        for b in head.iter().cycle() {
+            if loris.write_all(&[*b]).await.is_err() || loris.flush().await.is_err() {
+                return (true, started.elapsed());
+            }
+            // A closed connection shows on the read side first (the write may still succeed).
+            let mut buf = [0u8; 64];
+            if let Ok(r) = tokio::time::timeout(Duration::from_millis(200), loris.read(&mut buf)).await {
+                if matches!(r, Ok(0) | Err(_)) {
+                    return (true, started.elapsed());
+                }
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                return (false, started.elapsed());
+            }
+        }
+        (false, started.elapsed())
+    });
+    // 3. TLS, complete headers announcing 1000 bytes, 10 sent.
+    let mut no_body = tls_connect(&connector, port).await.expect("TLS");
+    no_body.write_all(post_head("/mutate", 1000).as_bytes()).await.expect("write head");
+    no_body.write_all(b"{\"apiVersi").await.expect("write some body");
+
+    // Meanwhile a well-behaved caller is answered.
+    let body = review("meanwhile", "meanwhile", serde_json::json!({"ports": [{"port": 80}]})).to_string();
+    let answer = post_raw(&connector, port, "/mutate", body.as_bytes()).await.expect("a normal request");
+    assert!(allowed(&answer), "{answer}");
+
+    let mut got = Vec::new();
+    assert!(closed_within(&mut silent, bound, &mut got).await, "a connection without a TLS handshake still open after {bound:?}");
+    let mut got = Vec::new();
+    assert!(closed_within(&mut no_body, bound, &mut got).await, "a request without its body still open after {bound:?}");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "the unfinished body got: {text:?}");
+    assert!(text.contains("request body not received within 2s"), "{text:?}");
+    let (closed, after) = dribble.await.expect("slow-loris task");
+    assert!(closed, "a client sending its headers a byte at a time was still connected after {after:?}");
+
+    // And still serving.
+    let answer = post_raw(&connector, port, "/mutate", body.replace("meanwhile", "after").as_bytes()).await.expect("a request afterwards");
+    assert!(allowed(&answer), "{answer}");
+    let (_, metrics) = http_get(c.metrics_port, "/metrics");
+    assert!(metric(&metrics, "clusterip_webhook_refused_connections_total{reason=\"handshake_timeout\"}").unwrap_or(0.0) >= 1.0, "{metrics}");
+}
+
+/// SIGTERM while admissions stream in: /readyz turns 503 at once while requests are still
+/// answered, then the listener closes, a request that was in flight across all of it is
+/// answered, the address pool is returned and the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_readyz_503_requests_in_flight_answered_exit_0() {
+    let cp = control_plane();
+    let (crt, key) = serving_cert(&cp);
+    let (mut c, _) = start(&cp, &crt, &key, &["--shutdown-delay-duration", "10s", "--shutdown-drain-timeout", "60s", "--webhook-read-timeout", "120s"]);
+    let port = c.webhook_port;
+    let connector = tls_client(&cp);
+
+    // A request in flight: headers and half of its body sent now, the rest after the
+    // listener has closed.
+    let body = review("in-flight", "in-flight", serde_json::json!({"ports": [{"port": 80}]})).to_string();
+    let (first, rest) = body.as_bytes().split_at(body.len() / 2);
+    let mut in_flight = tls_connect(&connector, port).await.expect("TLS");
+    in_flight.write_all(post_head("/mutate", body.len()).as_bytes()).await.expect("head");
+    in_flight.write_all(first).await.expect("first half");
+    in_flight.flush().await.expect("flush");
+
+    // A stream of admissions (validations: they hold no address, so the range never fills),
+    // each on a connection of its own, until connecting fails.
+    let stream = {
+        let connector = connector.clone();
+        tokio::spawn(async move {
+            let mut answers = Vec::new();
+            for i in 0.. {
+                let body = review(&format!("s{i}"), &format!("s{i}"), serde_json::json!({"ports": [{"port": 80}]})).to_string();
+                match post_raw(&connector, port, "/validate", body.as_bytes()).await {
+                    Ok(a) => answers.push(a),
+                    Err(_) => return answers,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            answers
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await; // (let the stream begin; not relied on)
+    c.signal(libc::SIGTERM);
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, text) = http_get(c.metrics_port, "/readyz");
+        if code == 503 {
+            assert_eq!(text, "shutting down");
+            break;
+        }
+        assert!(Instant::now() < deadline, "/readyz still {code} {text:?} 60s after SIGTERM:\n{}", c.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http_get(c.metrics_port, "/healthz"), (200, "ok".to_string()), "liveness during the drain");
+    // During the shutdown delay, requests are answered as usual.
+    let answer = post_raw(&connector, port, "/mutate", review("delay", "delay", serde_json::json!({"ports": [{"port": 80}]})).to_string().as_bytes()).await;
+    assert!(answer.as_deref().is_ok_and(allowed), "a request during the shutdown delay: {answer:?}\n{}", c.log());
+
+    // After the delay the listener closes: connecting fails.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        assert!(Instant::now() < deadline, "the webhook still accepts connections 60s after SIGTERM:\n{}", c.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The request in flight all along is answered.
+    in_flight.write_all(rest).await.expect("the rest of the body");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(60), in_flight.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    assert!(allowed(&answer), "the request in flight got {answer:?}\n{}", c.log());
+    assert!(answer.contains("\"uid\":\"in-flight\""), "{answer}");
+
+    let status = tokio::task::block_in_place(|| c.wait_exit(Duration::from_secs(90)));
+    let status = status.unwrap_or_else(|| panic!("still running 90s after SIGTERM:\n{}", c.log()));
+    assert_eq!(status.code(), Some(0), "exit status {status}:\n{}", c.log());
+    // Every answer the stream got is a whole one: a connection accepted just as the
+    // listener closed may be closed before its request is read (nothing done, no answer),
+    // and connections refused afterwards end the stream; never a partial or failed answer.
+    let answers = stream.await.expect("stream task");
+    for a in &answers {
+        assert!(a.is_empty() || allowed(a), "a streamed request got {a:?}");
+    }
+    let log = c.log();
+    assert!(log.contains("returned the address pool"), "{log}");
+    assert!(log.contains("all connections finished"), "{log}");
+}
+
+/// The soft RLIMIT_NOFILE of `pid`, set to `soft` when given; the previous value.
+fn nofile(pid: u32, soft: Option<u64>) -> u64 {
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut new = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: prlimit(2) reading (and with `soft`, setting) a resource limit of our own child.
+    let rc = unsafe { libc::prlimit(pid as libc::pid_t, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    if let Some(soft) = soft {
+        new.rlim_cur = soft;
+        new.rlim_max = old.rlim_max;
+        // SAFETY: as above.
+        let rc = unsafe { libc::prlimit(pid as libc::pid_t, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
+        assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    }
+    old.rlim_cur
+}
+
+/// Out of file descriptors, accept() fails at once for as long as connections wait: the
+/// webhook logs it and backs off (a handful of failures over seconds, not thousands), and
+/// serves again once descriptors are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_failures_back_off_and_serving_resumes() {
+    let cp = control_plane();
+    let (crt, key) = serving_cert(&cp);
+    let (c, _) = start(&cp, &crt, &key, &[]);
+    let (pid, port) = (c.pid(), c.webhook_port);
+    let failures = |log: &str| log.matches("accept failed").count();
+
+    // Room for a few more descriptors only, then more connections than that: the rest wait
+    // in the accept queue and every accept() fails with EMFILE.
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("the controller's descriptors").count() as u64;
+    let before = nofile(pid, Some(open + 4));
+    let mut held = Vec::new();
+    for _ in 0..32 {
+        held.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect (the kernel queues it)"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while failures(&c.log()) < 3 {
+        assert!(Instant::now() < deadline, "no accept failure logged within 60s:\n{}", c.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = c.log();
+    assert!(log.contains("Too many open files"), "{log}");
+    // Back-off: 10 ms doubling to 1 s is about a dozen in these seconds; a busy loop logs
+    // thousands even on a loaded machine.
+    let n = failures(&log);
+    assert!(n < 60, "{n} accept failures logged in {:?}: a busy loop", first.elapsed());
+
+    // Descriptors back: the waiting connections are taken (and time out), and a caller is
+    // answered again.
+    nofile(pid, Some(before));
+    drop(held);
+    let connector = tls_client(&cp);
+    let body = review("after-emfile", "after-emfile", serde_json::json!({"ports": [{"port": 80}]})).to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match post_raw(&connector, port, "/mutate", body.as_bytes()).await {
+            Ok(a) if allowed(&a) => break,
+            other => assert!(Instant::now() < deadline, "not answering 60s after descriptors were freed: {other:?}\n{}", c.log()),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[test]
 fn a_rotated_serving_certificate_is_served_without_a_restart() {
     let cp = control_plane();
@@ -196,8 +569,8 @@ fn a_rotated_serving_certificate_is_served_without_a_restart() {
     let (first_crt, first_key) = issue_cert(&pki, dir.path(), "first");
     std::fs::copy(&first_crt, &crt).expect("copy");
     std::fs::copy(&first_key, &key).expect("copy");
-    let c = start(&cp, &crt, &key);
-    assert_eq!(served_fingerprint(c.webhook_port), file_fingerprint(&first_crt));
+    let (c, _) = start(&cp, &crt, &key, &[]);
+    assert_eq!(served_fingerprint(&cp, c.webhook_port), file_fingerprint(&first_crt));
 
     let (second_crt, second_key) = issue_cert(&pki, dir.path(), "second");
     assert_ne!(file_fingerprint(&first_crt), file_fingerprint(&second_crt));
@@ -209,7 +582,7 @@ fn a_rotated_serving_certificate_is_served_without_a_restart() {
     let want = file_fingerprint(&second_crt);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let got = served_fingerprint(c.webhook_port);
+        let got = served_fingerprint(&cp, c.webhook_port);
         if got == want {
             break;
         }

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -17,6 +18,7 @@ use crate::repair::{self, Repairer, Target};
 use crate::store::metered::MeteredStore;
 use crate::webhook::admission::Admission;
 use crate::store::apiserver_ips::ApiserverIps;
+use crate::serve;
 use crate::webhook::{server, tls};
 
 use super::backend::{BackendArgs, BackendKind};
@@ -47,6 +49,51 @@ pub struct ControllerArgs {
     /// PEM private key of the serving certificate; re-read when the file changes.
     #[arg(long, env = "CLUSTERIP_TLS_PRIVATE_KEY_FILE")]
     pub tls_private_key_file: PathBuf,
+
+    /// PEM bundle of the CAs that sign the kube-apiserver's client certificate for webhooks
+    /// (the one its --admission-control-config-file presents; docs/operations.md). Every
+    /// connection to the webhook must present a certificate from one of them, or the TLS
+    /// handshake fails and nothing is admitted or reserved. Re-read when the file changes.
+    #[arg(long, env = "CLUSTERIP_CLIENT_CA_FILE")]
+    pub client_ca_file: PathBuf,
+
+    /// Client certificate names allowed to call the webhook, comma-separated: a certificate
+    /// passes when its subject common name or one of its DNS subject alternative names is
+    /// in the list. If empty, any client certificate validated by --client-ca-file is
+    /// allowed (then use a CA that signs nothing but the apiserver's certificate).
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_client_names: Vec<String>,
+
+    /// Time a webhook client has for each of: the TLS handshake, a request's headers, a
+    /// request's body, and its first request on a new connection; a client slower than
+    /// that is disconnected (a body gets HTTP 408). E.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = parse_timeout)]
+    pub webhook_read_timeout: std::time::Duration,
+
+    /// Webhook connections served at once; further connections wait in the kernel's accept
+    /// queue until one closes. The kube-apiserver needs few (it multiplexes over HTTP/2).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub webhook_max_connections: u32,
+
+    /// The limit that the webhook gives to clients for the maximum number of streams
+    /// (concurrent requests) in an HTTP/2 connection; the kube-apiserver opens another
+    /// connection beyond it.
+    #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http2_max_streams_per_connection: u32,
+
+    /// Time to delay the termination on SIGTERM. During that time the webhook keeps serving
+    /// requests normally, /healthz and /livez return success, but /readyz immediately
+    /// returns failure, so the webhook Service's endpoints drop this replica before it stops
+    /// accepting connections. E.g. 5s; 0 stops at once.
+    #[arg(long, default_value = "5s", value_parser = crate::store::etcd::parse_duration)]
+    pub shutdown_delay_duration: std::time::Duration,
+
+    /// After the shutdown delay, how long requests in flight may take to finish (new
+    /// connections are refused by then); what is still open afterwards is closed. The
+    /// address pool is returned to etcd after that. Keep delay + drain well inside the pod's
+    /// terminationGracePeriodSeconds. E.g. 15s.
+    #[arg(long, default_value = "15s", value_parser = crate::store::etcd::parse_duration)]
+    pub shutdown_drain_timeout: std::time::Duration,
 
     /// Address of the plain-HTTP endpoint for /metrics, /healthz and /readyz (port 0: as
     /// for --webhook-bind-address).
@@ -96,6 +143,13 @@ fn parse_pool(s: &str) -> Result<usize, String> {
     }
 }
 
+fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
+    match crate::store::etcd::parse_duration(s)? {
+        d if d.is_zero() => Err(format!("invalid timeout {s:?}: must be longer than 0")),
+        d => Ok(d),
+    }
+}
+
 fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "clusterip".into());
     format!("{host}-{}", std::process::id())
@@ -103,7 +157,8 @@ fn default_identity() -> String {
 
 pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let metrics = Arc::new(Metrics::new());
-    let tls = tls::server_config(args.tls_cert_file.clone(), args.tls_private_key_file.clone()).map_err(anyhow::Error::msg)?;
+    let client_auth = tls::ClientAuth::new(args.client_ca_file.clone(), args.allowed_client_names.clone()).map_err(anyhow::Error::msg)?;
+    let tls = tls::server_config(args.tls_cert_file.clone(), args.tls_private_key_file.clone(), client_auth).map_err(anyhow::Error::msg)?;
     let identity = args.leader_elect_identity.clone().unwrap_or_else(default_identity);
 
     // What the cluster already records (the kube-apiserver's own allocations included):
@@ -154,7 +209,18 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let metrics_addr = metrics_listener.local_addr().context("the metrics endpoint's bound address")?;
     info!(backend = ?args.backend.backend, ranges = %ranges.join(","), webhook = %webhook_addr, metrics = %metrics_addr, "clusterip controller started");
 
-    let web = server::serve_on_own_thread(webhook, tls, admission, metrics.clone()).context("starting the webhook thread")?;
+    // Shutdown (SIGTERM): `draining` turns /readyz to 503 at once; `stop` closes the webhook's
+    // listener after --shutdown-delay-duration and drains its connections.
+    let draining = Arc::new(AtomicBool::new(false));
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let limits = serve::Limits {
+        read_timeout: args.webhook_read_timeout,
+        max_connections: args.webhook_max_connections as usize,
+        max_streams: args.http2_max_streams_per_connection,
+        ..serve::Limits::default()
+    };
+    let hook = server::Webhook { admission, metrics: metrics.clone(), body_timeout: args.webhook_read_timeout, draining: draining.clone() };
+    let mut web = server::serve_on_own_thread(webhook, tls, hook, limits, stop_rx, args.shutdown_drain_timeout).context("starting the webhook thread")?;
     let events = ServiceEvents::new(client.clone(), Some(identity.clone()));
     // The repair pass judges the etcd backend's maps, or IPAddress objects (ours changed,
     // everyone's read) with the ipaddress backend.
@@ -216,29 +282,57 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     } else {
         vec![reconcilers()]
     };
-    let mon = tokio::spawn(crate::metrics::serve(metrics_listener, metrics, store.clone()));
+    let mut mon = tokio::spawn(crate::metrics::serve(metrics_listener, metrics, store.clone(), draining.clone()));
+    let mut signals = Signals::new()?;
     tokio::select! {
-        r = web => anyhow::bail!("webhook server stopped: {}", r.unwrap_or_else(|_| "its thread panicked".into())),
-        r = mon => r.context("metrics server stopped")?,
-        r = tokio::signal::ctrl_c() => {
-            r.context("waiting for a signal")?;
-            info!("interrupted; stopping");
-        }
-        _ = sigterm() => info!("terminated; stopping"),
+        r = &mut web => anyhow::bail!("webhook server stopped: {}", r.unwrap_or_else(|_| "its thread panicked".into())),
+        r = &mut mon => r.context("metrics server stopped")?,
+        which = signals.next() => info!(signal = which, delay = ?args.shutdown_delay_duration, "shutting down: /readyz reports 503; serving on until the delay has passed"),
+    }
+    draining.store(true, Ordering::SeqCst);
+    // Keep serving while the webhook Service's endpoints drop this replica (a second signal
+    // cuts the wait short).
+    tokio::select! {
+        _ = tokio::time::sleep(args.shutdown_delay_duration) => {}
+        which = signals.next() => info!(signal = which, "signalled again: not waiting for the rest of the shutdown delay"),
+    }
+    // Stop accepting, let the requests in flight finish (bounded by the drain timeout, which
+    // the webhook thread enforces), then hand back what the store holds.
+    let _ = stop.send(true);
+    let margin = std::time::Duration::from_secs(5);
+    match tokio::time::timeout(args.shutdown_drain_timeout + margin, &mut web).await {
+        Ok(_) => info!("webhook stopped"),
+        Err(_) => tracing::warn!("the webhook thread did not stop within the drain timeout; exiting anyway"),
     }
     // Hand back what was held ahead of need (the etcd backend's address pool), so it is
     // free at once instead of after the lease TTL and the repair pass.
     if let Err(e) = crate::store::AllocationStore::close(store.as_ref()).await {
         tracing::warn!(error = %e, "could not return the address pool; its lease expires and the repair pass reclaims it");
     }
+    info!("stopped");
     Ok(0)
 }
 
-async fn sigterm() {
-    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(mut s) => {
-            s.recv().await;
+/// SIGTERM and SIGINT (Ctrl-C), as one stream.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("listening for SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("listening for SIGINT")?,
+        })
+    }
+
+    /// The name of the next signal received.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
         }
-        Err(_) => std::future::pending::<()>().await,
     }
 }

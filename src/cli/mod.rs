@@ -36,7 +36,7 @@ pub enum Command {
     /// Run the controller: the admission webhook that assigns ClusterIPs from our ranges
     /// (mutating) and rejects addresses we cannot honour with HTTP 422 (validating), plus
     /// /metrics, /healthz and /readyz.
-    Controller(controller::ControllerArgs),
+    Controller(Box<controller::ControllerArgs>),
     /// Migrate Kubernetes' legacy Service IP bitmap (a RangeAllocation, from a file or an
     /// etcd key such as /registry/ranges/serviceips) into the etcd backend's allocation map.
     /// A union: nothing already recorded is dropped; re-running is harmless.
@@ -72,7 +72,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Range(args) => range(args),
         Command::Allocate(args) => allocate::allocate(args).await,
         Command::Release(args) => allocate::release(args).await,
-        Command::Controller(args) => controller::run(args).await,
+        Command::Controller(args) => controller::run(*args).await,
         Command::ImportRangeallocation(args) => import::run(args).await,
         Command::Repair(args) => repair::run(args).await,
         Command::Crds => {

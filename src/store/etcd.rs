@@ -161,7 +161,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("invalid duration {s:?}: must be a non-negative time"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("invalid duration {s:?}: too long"))
 }
 
 /// Connect to etcd with the configured TLS, auth and timeouts.

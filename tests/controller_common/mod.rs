@@ -5,15 +5,37 @@
 //! ports it got from its "clusterip controller started" log line: no port is picked by the
 //! test, so no other process can take one between a test's choice and the controller's bind.
 //! The process dies with the test (PR_SET_PDEATHSIG) and is killed when dropped.
+//!
+//! Every controller's webhook demands a client certificate: [`client_auth_args`] gives the
+//! flags that accept the one the dev cluster's kube-apiserver presents to webhooks
+//! ([`apiserver_client_cert`], through its AdmissionConfiguration, scripts/dev-cluster.sh).
 
 #![allow(dead_code)]
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use clusterip_test_support::{die_with_parent, owned_temp_dir};
+use clusterip_test_support::{die_with_parent, owned_temp_dir, ControlPlane};
+
+/// `--client-ca-file` and `--allowed-client-names` accepting the kube-apiserver's client
+/// certificate for webhooks (and nothing else).
+pub fn client_auth_args(cp: &ControlPlane) -> Vec<String> {
+    vec![
+        "--client-ca-file".into(),
+        cp.var("CLUSTERIP_WEBHOOK_CLIENT_CA").into(),
+        "--allowed-client-names".into(),
+        cp.var("CLUSTERIP_WEBHOOK_CLIENT_NAME").into(),
+    ]
+}
+
+/// (certificate, key) the kube-apiserver presents to webhooks: what a test posting to the
+/// webhook directly presents too.
+pub fn apiserver_client_cert(cp: &ControlPlane) -> (PathBuf, PathBuf) {
+    let pki = cp.dir().join("pki");
+    (pki.join("apiserver-webhook-client.crt"), pki.join("apiserver-webhook-client.key"))
+}
 
 /// What the controller logs once it has bound its ports.
 const STARTED: &str = "clusterip controller started";
@@ -41,7 +63,7 @@ impl Controller {
         cmd.arg("controller")
             .args(args)
             .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
-            .env("RUST_LOG", "warn,clusterip::cli::controller=info")
+            .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::serve=info,clusterip::store::etcd=info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(file);
@@ -66,6 +88,32 @@ impl Controller {
     /// What the controller logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("controller.log")).unwrap_or_default()
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Send a signal (e.g. `libc::SIGTERM`).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid; it is not reaped before `wait_exit`/`kill`.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+        assert_eq!(rc, 0, "kill({}, {sig}): {}", self.child.id(), std::io::Error::last_os_error());
+    }
+
+    /// The exit status once the process has exited, or None if it still runs after `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// SIGKILL, as a crash.
@@ -98,6 +146,11 @@ impl Drop for Controller {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A series' value in `/metrics` text (None when the series is absent).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
 }
 
 /// The port of `key=<ip>:<port>` in a log line.

@@ -1,0 +1,431 @@
+//! HTTP serving for clients that may misbehave: the accept loop and connection handling
+//! shared by the admission webhook (HTTPS) and the metrics endpoint (plain HTTP).
+//!
+//! What a client cannot do here, and what it gets instead:
+//! - hold a connection open without finishing the TLS handshake: closed after
+//!   [`Limits::read_timeout`];
+//! - send request headers slowly (slow loris): HTTP/1.1 connections are closed when a
+//!   request's headers take longer than `read_timeout` (hyper's header read timeout, which
+//!   also closes a keep-alive connection idle that long); an HTTP/2 connection without a
+//!   request in flight is closed (GOAWAY) after `read_timeout` before its first request
+//!   and after [`Limits::idle_timeout`] later;
+//! - send a body slowly: the handler bounds its own body read (the webhook answers 408);
+//! - open connections without end: at [`Limits::max_connections`] the loop stops accepting
+//!   and new connections wait in the kernel's backlog; HTTP/2 streams per connection are
+//!   capped at [`Limits::max_streams`], header blocks at [`Limits::max_header_bytes`];
+//! - make accept() fail (EMFILE, ENFILE, ENOBUFS): the error is logged and the loop backs
+//!   off (10 ms doubling to 1 s) instead of spinning.
+//!
+//! Stopping: once the `stop` channel turns true the listener is closed (new connections are
+//! refused), every connection is asked to finish (HTTP/1.1: after the request in flight;
+//! HTTP/2: GOAWAY, open streams complete), and [`serve`] returns when all are done or
+//! `drain_timeout` has passed, whichever is first; what is left is dropped.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
+use tokio_rustls::TlsAcceptor;
+use tracing::{debug, info, warn};
+
+/// What one client may hold and for how long.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// The TLS handshake, a request's headers, a request's body (read by the handler), and
+    /// the wait for a connection's first request: each must finish within this.
+    pub read_timeout: Duration,
+    /// A connection with no request in flight for this long (after its first request) is
+    /// closed.
+    pub idle_timeout: Duration,
+    /// Connections served at once; more wait in the kernel's accept queue.
+    pub max_connections: usize,
+    /// HTTP/2 streams (requests) in flight on one connection.
+    pub max_streams: u32,
+    /// Largest request header block (HTTP/1.1 read buffer, HTTP/2 header list).
+    pub max_header_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            read_timeout: Duration::from_secs(10),
+            // Longer than the kube-apiserver's idle connection timeout (90 s), so the client
+            // normally closes first.
+            idle_timeout: Duration::from_secs(120),
+            max_connections: 1024,
+            max_streams: 250,
+            max_header_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// What to do with each request: an answer, never an error (the handler turns every
+/// failure into a response).
+pub trait Handler: Clone + Send + Sync + 'static {
+    fn call(self, req: Request<Incoming>) -> impl Future<Output = Response<Full<Bytes>>> + Send + 'static;
+}
+
+impl<F, Fut> Handler for F
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    fn call(self, req: Request<Incoming>) -> impl Future<Output = Response<Full<Bytes>>> + Send + 'static {
+        self(req)
+    }
+}
+
+/// Why a connection was closed before it carried a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The client sent no certificate, or one that does not verify against the client CA
+    /// or is not for an allowed name.
+    ClientCertificate,
+    /// Any other TLS handshake failure (not TLS at all, no common protocol version, ...).
+    Handshake,
+    /// The handshake did not finish within the read timeout.
+    HandshakeTimeout,
+}
+
+impl Refusal {
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::ClientCertificate => "client_certificate",
+            Refusal::Handshake => "tls_handshake",
+            Refusal::HandshakeTimeout => "handshake_timeout",
+        }
+    }
+}
+
+/// Where refused connections are counted (the webhook's metrics), called once per refusal.
+pub type OnRefusal = Arc<dyn Fn(Refusal) + Send + Sync>;
+
+/// One HTTP server: plain or TLS, and what it is called in logs.
+pub struct Server<H> {
+    pub name: &'static str,
+    pub tls: Option<TlsAcceptor>,
+    pub limits: Limits,
+    pub handler: H,
+    pub on_refusal: Option<OnRefusal>,
+}
+
+/// A warning printed at most once per interval, saying how many were held back.
+struct Throttled {
+    last: Mutex<Option<Instant>>,
+    held: AtomicU64,
+    every: Duration,
+}
+
+impl Throttled {
+    fn new(every: Duration) -> Self {
+        Self { last: Mutex::new(None), held: AtomicU64::new(0), every }
+    }
+
+    /// Whether to log now, and how many were held back since the last time.
+    fn due(&self) -> Option<u64> {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|t| t.elapsed() < self.every) {
+            self.held.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *last = Some(Instant::now());
+        Some(self.held.swap(0, Ordering::Relaxed))
+    }
+}
+
+/// Accept-failure back-off: 10 ms, doubling, at most 1 s; reset by a successful accept.
+fn next_backoff(prev: Duration) -> Duration {
+    (prev * 2).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+/// Resolves once `stop` is true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Serve until `stop` turns true, then drain for at most `drain_timeout` (module docs).
+pub async fn serve<H: Handler>(listener: TcpListener, server: Server<H>, mut stop: watch::Receiver<bool>, drain_timeout: Duration) {
+    let server = Arc::new(server);
+    let slots = Arc::new(Semaphore::new(server.limits.max_connections));
+    let full = Throttled::new(Duration::from_secs(10));
+    let refused = Arc::new(Throttled::new(Duration::from_secs(10)));
+    let mut backoff = Duration::ZERO;
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, server = server.name, "serving");
+    }
+    loop {
+        if slots.available_permits() == 0 {
+            if let Some(held) = full.due() {
+                warn!(server = server.name, limit = server.limits.max_connections, held_back = held, "connection limit reached; new connections wait until one closes");
+            }
+        }
+        let slot = tokio::select! {
+            s = slots.clone().acquire_owned() => match s {
+                Ok(s) => s,
+                Err(_) => break, // (never closed)
+            },
+            _ = stopped(&mut stop) => break,
+        };
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stopped(&mut stop) => break,
+        };
+        let (tcp, peer) = match accepted {
+            Ok(c) => {
+                backoff = Duration::ZERO;
+                c
+            }
+            Err(e) => {
+                // EMFILE and friends fail again at once while the condition lasts: wait.
+                backoff = next_backoff(backoff);
+                warn!(server = server.name, error = %e, retry_in = ?backoff, "accept failed");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => continue,
+                    _ = stopped(&mut stop) => break,
+                }
+            }
+        };
+        let _ = tcp.set_nodelay(true);
+        let (server, stop, refused) = (server.clone(), stop.clone(), refused.clone());
+        tokio::spawn(async move {
+            connection(&server, tcp, peer, stop, drain_timeout, &refused).await;
+            drop(slot);
+        });
+    }
+    // Stop accepting: from here new connections are refused by the kernel.
+    drop(listener);
+    let open = server.limits.max_connections - slots.available_permits();
+    info!(server = server.name, open, "stopped accepting; finishing the requests in flight");
+    let all = u32::try_from(server.limits.max_connections).unwrap_or(u32::MAX);
+    let drained = tokio::time::timeout(drain_timeout, slots.acquire_many(all)).await.is_ok();
+    if drained {
+        info!(server = server.name, "all connections finished");
+    } else {
+        let left = server.limits.max_connections - slots.available_permits();
+        warn!(server = server.name, left, ?drain_timeout, "connections still open after the drain timeout; dropping them");
+    }
+}
+
+async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: SocketAddr, stop: watch::Receiver<bool>, drain_timeout: Duration, refused: &Throttled) {
+    let limits = server.limits;
+    let Some(acceptor) = &server.tls else {
+        return http(server, tcp, false, peer, stop, drain_timeout).await;
+    };
+    let refusal = match tokio::time::timeout(limits.read_timeout, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => {
+            let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+            return http(server, tls, h2, peer, stop, drain_timeout).await;
+        }
+        Ok(Err(e)) => {
+            let rustls_error = e.get_ref().and_then(|i| i.downcast_ref::<tokio_rustls::rustls::Error>());
+            let reason = match rustls_error {
+                Some(tokio_rustls::rustls::Error::NoCertificatesPresented | tokio_rustls::rustls::Error::InvalidCertificate(_)) => Refusal::ClientCertificate,
+                _ => Refusal::Handshake,
+            };
+            if reason == Refusal::ClientCertificate {
+                // Someone other than the kube-apiserver, or an apiserver without its client
+                // certificate (docs/operations.md): worth a line, but not one per attempt.
+                if let Some(held) = refused.due() {
+                    warn!(server = server.name, %peer, error = %e, held_back = held, "refused a connection: no valid client certificate");
+                }
+            } else {
+                debug!(server = server.name, %peer, error = %e, "TLS handshake failed");
+            }
+            reason
+        }
+        Err(_) => {
+            debug!(server = server.name, %peer, timeout = ?limits.read_timeout, "TLS handshake not finished in time; closed");
+            Refusal::HandshakeTimeout
+        }
+    };
+    if let Some(count) = &server.on_refusal {
+        count(refusal);
+    }
+}
+
+/// Requests in flight on one connection, and since when it has had none.
+struct Activity {
+    in_flight: AtomicUsize,
+    since: Mutex<(Instant, bool)>, // (last change, any request seen)
+}
+
+impl Activity {
+    fn begin(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let mut s = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        *s = (Instant::now(), true);
+        InFlight(self.clone())
+    }
+
+    /// When the connection counts as idle, if no request starts before then; None while a
+    /// request is in flight.
+    fn idle_at(&self, limits: &Limits) -> Option<Instant> {
+        if self.in_flight.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let (since, seen) = *self.since.lock().unwrap_or_else(|p| p.into_inner());
+        Some(since + if seen { limits.idle_timeout } else { limits.read_timeout })
+    }
+}
+
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut s = self.0.since.lock().unwrap_or_else(|p| p.into_inner());
+        *s = (Instant::now(), true);
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// hyper's HTTP/1.1 and HTTP/2 server connections, driven alike.
+trait Graceful: Future<Output = hyper::Result<()>> {
+    fn begin_shutdown(self: Pin<&mut Self>);
+}
+
+impl<I, S, B> Graceful for hyper::server::conn::http1::Connection<I, S>
+where
+    S: hyper::service::HttpService<Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    B: hyper::body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn begin_shutdown(self: Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+}
+
+impl<I, S, B, E> Graceful for hyper::server::conn::http2::Connection<I, S, E>
+where
+    S: hyper::service::HttpService<Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    B: hyper::body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    fn begin_shutdown(self: Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+}
+
+async fn http<H, IO>(server: &Server<H>, io: IO, h2: bool, peer: SocketAddr, stop: watch::Receiver<bool>, drain_timeout: Duration)
+where
+    H: Handler,
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = server.limits;
+    let activity = Arc::new(Activity { in_flight: AtomicUsize::new(0), since: Mutex::new((Instant::now(), false)) });
+    let svc = {
+        let (handler, activity) = (server.handler.clone(), activity.clone());
+        hyper::service::service_fn(move |req| {
+            let guard = activity.begin();
+            let answer = handler.clone().call(req);
+            async move {
+                let r = answer.await;
+                drop(guard);
+                Ok::<_, Infallible>(r)
+            }
+        })
+    };
+    let io = TokioIo::new(io);
+    let header_bytes = u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX);
+    let result = if h2 {
+        let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(limits.max_streams)
+            .max_header_list_size(header_bytes)
+            // A peer that stopped answering (gone without a FIN) is noticed.
+            .keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(20))
+            .serve_connection(io, svc);
+        drive(conn, &activity, &limits, stop, drain_timeout).await
+    } else {
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.read_timeout)
+            .max_buf_size(limits.max_header_bytes.max(8192))
+            .serve_connection(io, svc);
+        drive(conn, &activity, &limits, stop, drain_timeout).await
+    };
+    if let Err(e) = result {
+        debug!(server = server.name, %peer, error = %e, "connection ended with an error");
+    }
+}
+
+/// Run a connection until it ends; ask it to finish when it is idle too long or the server
+/// stops, and drop it if it has not finished by the deadline that follows.
+async fn drive<C: Graceful>(conn: C, activity: &Activity, limits: &Limits, mut stop: watch::Receiver<bool>, drain_timeout: Duration) -> hyper::Result<()> {
+    tokio::pin!(conn);
+    let mut closing: Option<tokio::time::Instant> = None;
+    loop {
+        let idle_at = activity.idle_at(limits).map(tokio::time::Instant::from_std);
+        // (While a request is in flight, look again after a while: it may finish.)
+        let check_at = idle_at.unwrap_or_else(|| tokio::time::Instant::now() + limits.read_timeout);
+        tokio::select! {
+            r = conn.as_mut() => return r,
+            _ = stopped(&mut stop), if closing.is_none() => {
+                conn.as_mut().begin_shutdown();
+                closing = Some(tokio::time::Instant::now() + drain_timeout);
+            }
+            _ = tokio::time::sleep_until(check_at), if closing.is_none() => {
+                if activity.idle_at(limits).is_some_and(|t| t <= Instant::now()) {
+                    conn.as_mut().begin_shutdown();
+                    closing = Some(tokio::time::Instant::now() + limits.read_timeout);
+                }
+            }
+            _ = tokio::time::sleep_until(closing.unwrap_or_else(tokio::time::Instant::now)), if closing.is_some() => return Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_backoff_starts_small_doubles_and_is_capped() {
+        let mut b = Duration::ZERO;
+        let mut seen = Vec::new();
+        for _ in 0..10 {
+            b = next_backoff(b);
+            seen.push(b.as_millis());
+        }
+        assert_eq!(seen, vec![10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
+    }
+
+    #[test]
+    fn throttled_warnings_count_what_was_held_back() {
+        let t = Throttled::new(Duration::from_secs(3600));
+        assert_eq!(t.due(), Some(0));
+        assert_eq!(t.due(), None);
+        assert_eq!(t.due(), None);
+        *t.last.lock().unwrap() = Some(Instant::now() - Duration::from_secs(7200));
+        assert_eq!(t.due(), Some(2));
+    }
+
+    #[test]
+    fn a_connection_is_idle_after_the_read_timeout_before_its_first_request_and_the_idle_timeout_after() {
+        let limits = Limits { read_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(60), ..Limits::default() };
+        let a = Arc::new(Activity { in_flight: AtomicUsize::new(0), since: Mutex::new((Instant::now(), false)) });
+        let first = a.idle_at(&limits).expect("idle");
+        assert!(first <= Instant::now() + Duration::from_secs(5));
+        let req = a.begin();
+        assert_eq!(a.idle_at(&limits), None, "a request in flight");
+        drop(req);
+        let later = a.idle_at(&limits).expect("idle again");
+        assert!(later >= Instant::now() + Duration::from_secs(50));
+    }
+}

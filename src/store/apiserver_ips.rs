@@ -17,17 +17,24 @@ use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::Api;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 use tracing::warn;
 
 use crate::cidr;
 
 /// A watch-fed set of IPAddress names.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct ApiserverIps {
     set: Arc<RwLock<HashSet<IpAddr>>>,
-    /// Woken whenever an address is added (a new record, or a relist).
-    added: Arc<Notify>,
+    /// Counts additions (a new record, or a relist); a receiver never misses one, however
+    /// busy its task was when it happened.
+    added: Arc<watch::Sender<u64>>,
+}
+
+impl Default for ApiserverIps {
+    fn default() -> Self {
+        Self { set: Arc::default(), added: Arc::new(watch::Sender::new(0)) }
+    }
 }
 
 impl ApiserverIps {
@@ -51,12 +58,12 @@ impl ApiserverIps {
                     Ok(Event::InitDone) => {
                         *set.write().unwrap_or_else(|p| p.into_inner()) = relist.take().unwrap_or_default();
                         tx.send_replace(true);
-                        added.notify_waiters();
+                        added.send_modify(|n| *n += 1);
                     }
                     Ok(Event::Apply(o)) => {
                         if let Some(ip) = address(&o) {
                             set.write().unwrap_or_else(|p| p.into_inner()).insert(ip);
-                            added.notify_waiters();
+                            added.send_modify(|n| *n += 1);
                         }
                     }
                     Ok(Event::Delete(o)) => {
@@ -75,7 +82,7 @@ impl ApiserverIps {
     /// For tools that judge against one picture, and for tests that hold a replica's view
     /// back to reproduce a lagging watch.
     pub fn fixed(addresses: impl IntoIterator<Item = IpAddr>) -> Self {
-        Self { set: Arc::new(RwLock::new(addresses.into_iter().collect())), added: Arc::default() }
+        Self { set: Arc::new(RwLock::new(addresses.into_iter().collect())), ..Self::default() }
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {
@@ -87,9 +94,11 @@ impl ApiserverIps {
         self.set.read().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
     }
 
-    /// Resolves the next time an address is added to the view.
-    pub async fn added(&self) {
-        self.added.notified().await
+    /// A receiver that sees every addition to the view from now on (`changed()` resolves
+    /// once per batch of additions since it last looked; none is lost while its task is
+    /// busy elsewhere).
+    pub fn additions(&self) -> watch::Receiver<u64> {
+        self.added.subscribe()
     }
 }
 

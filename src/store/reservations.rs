@@ -360,6 +360,7 @@ impl LeaseReservations {
 /// soon as the IPAddress watch moves.
 async fn sweep_forever(weak: std::sync::Weak<LeaseReservations>, recorded: ApiserverIps, every: Duration) {
     let mut next_full = tokio::time::Instant::now() + every;
+    let mut additions = recorded.additions();
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(next_full) => {
@@ -369,7 +370,8 @@ async fn sweep_forever(weak: std::sync::Weak<LeaseReservations>, recorded: Apise
                     warn!(error = %e, "refreshing Service address reservations failed; retrying");
                 }
             }
-            _ = recorded.added() => {
+            // (The view lives as long as the store: an error here cannot happen while we run.)
+            Ok(()) = additions.changed() => {
                 let Some(me) = weak.upgrade() else { return };
                 me.settle_recorded().await;
             }

@@ -346,7 +346,7 @@ impl Webhook {
         let name = unique_name("fidelity");
         let pki = cp.dir().join("pki");
         let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
-        let child = Controller::start([
+        let mut args: Vec<String> = [
             "--backend",
             "etcd",
             "--service-cidr",
@@ -367,7 +367,13 @@ impl Webhook {
             &crt.display().to_string(),
             "--tls-private-key-file",
             &key.display().to_string(),
-        ]);
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        // Only the kube-apiserver's client certificate makes the webhook act.
+        args.extend(controller_common::client_auth_args(cp));
+        let child = Controller::start(args);
         child.wait_ready().await;
         let port = child.webhook_port;
         let wh = Webhook { _child: child, name: name.clone(), client: client.clone() };

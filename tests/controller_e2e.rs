@@ -359,6 +359,160 @@ async fn admission_cases(backend: &str, slice: Slice) {
     }
 }
 
+/// When an address is held, as stock Kubernetes holds it: from the moment a Service holding
+/// it is stored until the moment it no longer holds it. Requests that fail after our webhook
+/// answered hold nothing a retry trips over; delete, ExternalName and a new request of the
+/// same address follow each other at once.
+async fn lifecycle_cases(backend: &str, slice: Slice) {
+    let cp = control_plane();
+    // A short in-flight limit, so an answered address whose request failed comes back
+    // within the test.
+    let mut args = controller_common::client_auth_args(&cp);
+    args.extend(["--in-flight-limit".to_string(), "20s".to_string()]);
+    let mut wh = Webhook::register(&cp, backend, 1, slice, &args).await;
+    wh.wait_registered().await;
+    let api = wh.services();
+    let create = |svc: Service| {
+        let api = api.clone();
+        async move { api.create(&PostParams::default(), &svc).await }
+    };
+    let with_ip = |name: &str, ip: IpAddr| service(name, |s| s.cluster_ip = Some(ip.to_string()));
+    // A request our webhook admits and the apiserver's validation then refuses (port 0).
+    let failing = |name: &str, ip: Option<IpAddr>| {
+        service(name, |s| {
+            s.cluster_ip = ip.map(|ip| ip.to_string());
+            s.ports = Some(vec![ServicePort { port: 0, ..Default::default() }]);
+        })
+    };
+    let expect_invalid_port = |r: Result<Service, kube::Error>| match r {
+        Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("spec.ports[0].port") => {}
+        other => panic!("expected the apiserver's 422 on spec.ports[0].port, got {other:?}"),
+    };
+
+    // 1. A failed create, retried at once by the same Service and by another one.
+    let a = slice.v4_static(11);
+    expect_invalid_port(create(failing("retried", Some(a))).await);
+    let svc = create(with_ip("retried", a)).await.expect("the same Service, retried with the same address");
+    assert_eq!(ips(&svc), vec![a]);
+    let b = slice.v4_static(12);
+    expect_invalid_port(create(failing("failed-first", Some(b))).await);
+    let svc = create(with_ip("another", b)).await.expect("another Service, asking for the address a failed create asked for");
+    assert_eq!(ips(&svc), vec![b]);
+
+    // 2. Delete, then create again with the same address: 20 times in a row, at once.
+    let c = slice.v4_static(13);
+    for round in 0..20 {
+        let svc = create(with_ip("again", c)).await.unwrap_or_else(|e| panic!("round {round}: create with {c}: {e}"));
+        assert_eq!(ips(&svc), vec![c]);
+        api.delete("again", &DeleteParams::default()).await.unwrap_or_else(|e| panic!("round {round}: delete: {e}"));
+    }
+    // A deleted Service's address is free for any Service at once.
+    let svc = create(with_ip("successor", c)).await.expect("another Service, right after the delete");
+    assert_eq!(ips(&svc), vec![c]);
+
+    // 3. ClusterIP → ExternalName → ClusterIP, with the old address and then with a new one;
+    //    the address given up is free for another Service at once.
+    let (d, e) = (slice.v4_static(14), slice.v4_static(15));
+    create(with_ip("flip", d)).await.expect("ClusterIP Service");
+    let to_external = kube::api::Patch::Merge(json!({"spec": {"type": "ExternalName", "externalName": "example.invalid"}}));
+    let to_cluster_ip = |ip: IpAddr| kube::api::Patch::Merge(json!({"spec": {"type": "ClusterIP", "externalName": null, "clusterIP": ip.to_string(), "ports": [{"port": 80}]}}));
+    let pp = kube::api::PatchParams::default();
+    api.patch("flip", &pp, &to_external).await.expect("to ExternalName");
+    let svc = api.patch("flip", &pp, &to_cluster_ip(d)).await.expect("back to ClusterIP with the old address");
+    assert_eq!(ips(&svc), vec![d]);
+    api.patch("flip", &pp, &to_external).await.expect("to ExternalName again");
+    let svc = create(with_ip("taker", d)).await.expect("another Service takes the address given up");
+    assert_eq!(ips(&svc), vec![d]);
+    let svc = api.patch("flip", &pp, &to_cluster_ip(e)).await.expect("back to ClusterIP with a new address");
+    assert_eq!(ips(&svc), vec![e]);
+
+    if backend == "etcd" {
+        etcd_records_follow_the_services(&cp, &wh, slice, [a, b, c, d, e]).await;
+    }
+}
+
+/// The etcd backend's records end up as the Services are: the addresses held recorded,
+/// what was given up or never stored released (an answered dynamic address included, after
+/// the in-flight limit), and an address with a recorded owner other than a Service neither
+/// taken by a Service nor released by the repair pass or by anyone but its owner.
+async fn etcd_records_follow_the_services(cp: &ControlPlane, wh: &Webhook, slice: Slice, held: [IpAddr; 5]) {
+    use clusterip::repair::{Repairer, Target};
+    use clusterip::store::etcd::{EtcdConfig, EtcdStore};
+    use clusterip::store::{AllocationStore, ParentRef, StoreError};
+    use std::sync::Arc;
+    let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
+    let cidrs = vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).expect("v4"), clusterip::cidr::ServiceCidr::parse(&slice.v6()).expect("v6")];
+    let store: Arc<dyn AllocationStore> = Arc::new(EtcdStore::open(&cfg, cidrs).await.expect("open the controller's records"));
+    let api = wh.services();
+    let static_band: BTreeSet<IpAddr> = (1..=128).map(|n| slice.v4_static(n)).collect();
+    let recorded_static = || async { store.allocated().await.expect("allocated").into_iter().filter(|ip| static_band.contains(ip)).collect::<BTreeSet<_>>() };
+    // Held now: a (retried), b (another), c (successor), d (taker), e (flip).
+    let want: BTreeSet<IpAddr> = held.into_iter().collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let got = recorded_static().await;
+        if got == want {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the static band's records {got:?} are not the addresses the Services hold {want:?} within 120s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // A dynamic address answered for a create that then fails is released after the
+    // in-flight limit (20s here).
+    let before: BTreeSet<IpAddr> = store.allocated().await.expect("allocated").into_iter().collect();
+    let failed = service("failed-dynamic", |s| s.ports = Some(vec![ServicePort { port: 0, ..Default::default() }]));
+    assert!(api.create(&PostParams::default(), &failed).await.is_err(), "a create with port 0 succeeded");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let leaked = loop {
+        let now: BTreeSet<IpAddr> = store.allocated().await.expect("allocated").into_iter().collect();
+        if let Some(ip) = now.difference(&before).next() {
+            break *ip;
+        }
+        assert!(Instant::now() < deadline, "the failed create's dynamic address was never recorded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while store.has(leaked).await.expect("has") {
+        assert!(Instant::now() < deadline, "{leaked}, answered for a create that failed, still recorded 120s later");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // The addresses stored Services hold outlived the in-flight limit: still recorded.
+    assert_eq!(recorded_static().await, want, "an address a stored Service holds was released");
+
+    // An owner other than a Service.
+    let gateway = ParentRef { group: "gateway.networking.k8s.io".into(), resource: "gateways".into(), namespace: Some("infra".into()), name: "edge".into() };
+    let f = slice.v4_static(16);
+    store.allocate(f, Some(&gateway)).await.expect("record an address for a Gateway");
+    assert_eq!(store.owner(f).await.expect("owner"), Some(gateway.clone()));
+    expect_422(&api, &service("squatter", |s| s.cluster_ip = Some(f.to_string())), &format!("failed to allocate IP {f}: provided IP is already allocated")).await;
+    let client = cp.client().await;
+    let mut repairer = Repairer::new(client, Target::Etcd(store.clone()));
+    for pass in 0..4 {
+        repairer.run_once(true, true, None).await.unwrap_or_else(|e| panic!("repair pass {pass}: {e}"));
+        assert!(store.has(f).await.expect("has"), "repair pass {pass} released the Gateway's address");
+    }
+    let other = ParentRef { name: "other".into(), ..gateway.clone() };
+    assert!(matches!(store.release(f).await, Err(StoreError::NotOwner { .. })), "an unowned release took the Gateway's address");
+    assert!(matches!(store.release_owned(f, &other).await, Err(StoreError::NotOwner { .. })), "another owner released the Gateway's address");
+    assert!(store.has(f).await.expect("has"));
+    store.release_owned(f, &gateway).await.expect("the owner releases");
+    assert!(!store.has(f).await.expect("has"));
+    assert_eq!(store.owner(f).await.expect("owner"), None);
+    let svc = api.create(&PostParams::default(), &service("after-gateway", |s| s.cluster_ip = Some(f.to_string()))).await.expect("the address, once its owner released it");
+    assert_eq!(ips(&svc), vec![f]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_address_lifecycle() {
+    lifecycle_cases("etcd", Slice(11)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_address_lifecycle() {
+    lifecycle_cases("ipaddress", Slice(12)).await;
+}
+
 /// One burst at a time: the bursts' ranges are disjoint, but four 500-create bursts at once
 /// would measure the machine, not the webhook.
 static BURST: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -110,6 +110,16 @@ enum Step {
     AfterHolder(&'static str, bool),
     /// Create `spec`, then merge-patch the Service's spec with `patch`.
     Patch(&'static str),
+    /// A create that fails after admission (the apiserver's validation refuses it: port 0),
+    /// by the same Service (true) or another one, then the case.
+    AfterFailedCreate(&'static str, bool),
+    /// Create and delete the case's Service this many times, then the case.
+    AfterDeletes(u32),
+    /// Create `spec`, then merge-patch its spec with each patch in turn; the last one's
+    /// outcome is compared.
+    Patches(&'static [&'static str]),
+    /// A holder created with the case's addresses gives them up with `patch`, then the case.
+    AfterHolderPatched(&'static str, &'static str),
 }
 
 struct Case {
@@ -119,6 +129,9 @@ struct Case {
     /// Why clusterip deliberately answers otherwise (docs/fidelity.md), or None.
     differs: Option<&'static str>,
 }
+
+/// A merge patch that turns a ClusterIP Service into an ExternalName one.
+const EXTERNAL_NAME: &str = r#"{"type":"ExternalName","externalName":"example.invalid"}"#;
 
 fn cases() -> Vec<Case> {
     use Step::*;
@@ -175,6 +188,16 @@ fn cases() -> Vec<Case> {
         c("patch-upgrade-to-dual", r#"{}"#, Patch(r#"{"ipFamilyPolicy":"RequireDualStack"}"#)),
         c("patch-two-families-single", r#"{}"#, Patch(r#"{"ipFamilies":["IPv4","IPv6"]}"#)),
         c("patch-change-ip", r#"{"clusterIP":"{A}"}"#, Patch(r#"{"clusterIP":"{A2}","clusterIPs":["{A2}"]}"#)),
+        // When an address is held: from the Service's storing until it gives the address up.
+        c("retry-after-failed-create", r#"{"clusterIP":"{A}"}"#, AfterFailedCreate(r#"{"clusterIP":"{A}","ports":[{"port":0}]}"#, true)),
+        c("other-after-failed-create", r#"{"clusterIP":"{A}"}"#, AfterFailedCreate(r#"{"clusterIP":"{A}","ports":[{"port":0}]}"#, false)),
+        c("dual-retry-after-failed-create", r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}"],"ipFamilyPolicy":"RequireDualStack"}"#, AfterFailedCreate(r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}"],"ipFamilyPolicy":"RequireDualStack","ports":[{"port":0}]}"#, true)),
+        c("recreate-after-5-deletes", r#"{"clusterIP":"{A}"}"#, AfterDeletes(5)),
+        c("externalname-and-back-same-ip", r#"{"clusterIP":"{A}"}"#, Patches(&[EXTERNAL_NAME, r#"{"type":"ClusterIP","externalName":null,"clusterIP":"{A}"}"#])),
+        c("externalname-and-back-new-ip", r#"{"clusterIP":"{A}"}"#, Patches(&[EXTERNAL_NAME, r#"{"type":"ClusterIP","externalName":null,"clusterIP":"{A2}"}"#])),
+        c("externalname-and-back-dynamic", r#"{"clusterIP":"{A}"}"#, Patches(&[EXTERNAL_NAME, r#"{"type":"ClusterIP","externalName":null}"#])),
+        c("taken-after-externalname", r#"{"clusterIP":"{A}"}"#, AfterHolderPatched(r#"{"clusterIP":"{A}"}"#, EXTERNAL_NAME)),
+        c("taken-after-downgrade", r#"{"clusterIP":"{X}","ipFamilies":["IPv6"]}"#, AfterHolderPatched(r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}"],"ipFamilyPolicy":"RequireDualStack"}"#, r#"{"ipFamilyPolicy":"SingleStack","ipFamilies":["IPv4"],"clusterIPs":["{A}"]}"#)),
         // Deliberate differences.
         Case {
             name: "outside-our-ranges",
@@ -316,6 +339,47 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
             let patch: Value = serde_json::from_str(&side.fill(patch)).expect("patch");
             let (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
+            (c, b, false)
+        }
+        Step::AfterFailedCreate(failing, same) => {
+            let first = if same { name.clone() } else { format!("{name}-failed") };
+            let (c, b) = send(client, req.create(&pp, service_body(&first, &side.fill_keep(failing)))).await;
+            assert_eq!(c, 422, "{}: the failing create did not fail validation: {b}", case.name);
+            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            (c, b, false)
+        }
+        Step::AfterDeletes(n) => {
+            for round in 0..n {
+                let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+                assert_eq!(c, 201, "{} (round {round}): create: {b}", case.name);
+                let (c, b) = send(client, req.delete(&name, &DeleteParams::default())).await;
+                assert_eq!(c, 200, "{} (round {round}): delete: {b}", case.name);
+            }
+            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            (c, b, false)
+        }
+        Step::Patches(patches) => {
+            let (mut c, mut b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
+            for (i, patch) in patches.iter().enumerate() {
+                let text = side.fill_keep(patch);
+                let patch: Value = serde_json::from_str(&side.fill(&text)).expect("patch");
+                (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
+                assert!(i + 1 == patches.len() || c == 200, "{}: patch {i} failed: {b}", case.name);
+            }
+            (c, b, false)
+        }
+        Step::AfterHolderPatched(holder, patch) => {
+            let holder_name = format!("{name}-holder");
+            // The case's addresses, and fresh ones for tokens only the holder has.
+            let holder = side.fill_keep(holder);
+            let holder = side.fill(&holder);
+            let (c, b) = send(client, req.create(&pp, service_body(&holder_name, &holder))).await;
+            assert_eq!(c, 201, "{}: the holder was not created: {b}", case.name);
+            let patch: Value = serde_json::from_str(&side.fill_keep(patch)).expect("patch");
+            let (c, b) = send(client, req.patch(&holder_name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
+            assert_eq!(c, 200, "{}: the holder did not give its addresses up: {b}", case.name);
+            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
             (c, b, false)
         }
     };

@@ -218,12 +218,19 @@ async fn reservations_end_by_their_owner_or_after_the_observers_ttl() {
     let a = fx.replica("replica-a", live.clone(), ttl).await;
     let b = fx.replica("replica-b", live.clone(), ttl).await;
 
-    // Release by the owner (rollback) ends it; release by another replica does not.
+    // Release by the owner for the parent it reserved for (rollback) ends it; release by
+    // another replica does not, nor a Service reconciler's release (a Service gave the
+    // address up: a reservation for it can only be a newer admission's), nor one for
+    // another parent.
     a.allocate(x, Some(&fx.parent("rolled-back"))).await.expect("A reserves X");
-    b.release(x).await.expect("B's release");
+    b.release_owned(x, &fx.parent("rolled-back")).await.expect("B's release");
     assert!(fx.lease_uid(x).await.is_some(), "B's release ended A's reservation");
-    a.release(x).await.expect("A's release");
-    assert_eq!(fx.lease_uid(x).await, None, "A's release left its reservation");
+    a.release(x).await.expect("A's release for a Service that gave X up");
+    assert!(fx.lease_uid(x).await.is_some(), "a release for a Service that gave X up ended a reservation");
+    a.release_owned(x, &fx.parent("someone-else")).await.expect("A's release for another parent");
+    assert!(fx.lease_uid(x).await.is_some(), "a release for another parent ended the reservation");
+    a.release_owned(x, &fx.parent("rolled-back")).await.expect("A's rollback");
+    assert_eq!(fx.lease_uid(x).await, None, "A's rollback left its reservation");
 
     // Never stored: B drops it once B itself has seen it for the TTL.
     a.allocate(x, Some(&fx.parent("never-stored"))).await.expect("A reserves X again");

@@ -32,6 +32,7 @@ conformance!(
     ipv6_and_two_ranges,
     restart_sees_the_same_state,
     eight_processes_no_duplicates,
+    owners_release_only_their_own,
 );
 
 fn parent(name: &str) -> ParentRef {
@@ -76,6 +77,41 @@ async fn static_allocation_and_errors(backend: Backend) {
         );
     }
     assert_eq!(store.allocated().await.unwrap(), vec![ip]);
+    fx.cleanup(store).await;
+}
+
+/// An owner other than a Service is recorded with the address; only a release on its behalf
+/// frees it, across a restart; a Service's address carries no owner record.
+async fn owners_release_only_their_own(backend: Backend) {
+    let fx = Fixture::new(backend, &["198.18.6.0/28"]).await;
+    let store = fx.open().await;
+    let gateway = ParentRef { group: "gateway.networking.k8s.io".into(), resource: "gateways".into(), namespace: Some("infra".into()), name: "edge".into() };
+    let other = ParentRef { name: "other".into(), ..gateway.clone() };
+    let owned: IpAddr = "198.18.6.3".parse().unwrap();
+    store.allocate(owned, Some(&gateway)).await.expect("owned static");
+    let chosen = store.allocate_next(Family::IPv4, Some(&gateway)).await.expect("owned dynamic");
+    // (The dynamic pick may land anywhere in this small range: take another address.)
+    let service: IpAddr = ["198.18.6.4", "198.18.6.5"].iter().map(|t| t.parse().unwrap()).find(|ip| *ip != chosen).unwrap();
+    store.allocate(service, Some(&parent("web"))).await.expect("a Service's");
+    assert_eq!(store.owner(owned).await.expect("owner"), Some(gateway.clone()));
+    assert_eq!(store.owner(chosen).await.expect("owner"), Some(gateway.clone()));
+    assert_eq!(store.owner(service).await.expect("owner"), None);
+    // Durable: another process sees the same owners.
+    drop(store);
+    let store = fx.open().await;
+    assert_eq!(store.owner(owned).await.expect("owner after a restart"), Some(gateway.clone()));
+    for ip in [owned, chosen] {
+        let err = store.release(ip).await.expect_err("an unowned release of an owned address");
+        assert!(matches!(&err, StoreError::NotOwner { owner, .. } if *owner == gateway), "{err}");
+        let err = store.release_owned(ip, &other).await.expect_err("another owner's release");
+        assert!(matches!(&err, StoreError::NotOwner { .. }), "{err}");
+        assert!(store.has(ip).await.unwrap(), "{ip} released by a release that was refused");
+        store.release_owned(ip, &gateway).await.expect("the owner's release");
+        assert!(!store.has(ip).await.unwrap());
+        assert_eq!(store.owner(ip).await.expect("owner"), None);
+    }
+    store.release(service).await.expect("a Service's address: an unowned release");
+    assert!(!store.has(service).await.unwrap());
     fx.cleanup(store).await;
 }
 

@@ -32,7 +32,11 @@ pub struct AllocateArgs {
     #[arg(long, default_value_t = 1)]
     pub concurrency: usize,
 
-    /// parentRef of the records (ipaddress backend): RESOURCE[.GROUP]/[NAMESPACE/]NAME.
+    /// The owner of the addresses, as an IPAddress parentRef: RESOURCE[.GROUP]/[NAMESPACE/]NAME
+    /// (e.g. gateways.gateway.networking.k8s.io/infra/edge). Recorded with both backends
+    /// (etcd: an owner key beside the map; ipaddress: the object's parentRef); the repair
+    /// pass never releases an owned address, and only `clusterip release --parent` with the
+    /// same owner does. A Service's addresses are recorded by the kube-apiserver itself.
     #[arg(long)]
     pub parent: Option<String>,
 }
@@ -45,6 +49,12 @@ pub struct ReleaseArgs {
     /// Addresses to release (a free or out-of-range address is a no-op).
     #[arg(required = true, value_name = "IP")]
     pub ips: Vec<String>,
+
+    /// Release on behalf of this owner (as `clusterip allocate --parent` recorded it): an
+    /// address is released only while the records name this owner. Without it, an address
+    /// that has a recorded owner is not released.
+    #[arg(long)]
+    pub parent: Option<String>,
 }
 
 fn parse_family(s: &str) -> Result<Family, String> {
@@ -119,10 +129,15 @@ pub async fn allocate(args: AllocateArgs) -> anyhow::Result<i32> {
 
 pub async fn release(args: ReleaseArgs) -> anyhow::Result<i32> {
     let ips = args.ips.iter().map(|s| cidr::parse_ip(s).map_err(|e| anyhow::anyhow!("{s}: {e}"))).collect::<anyhow::Result<Vec<IpAddr>>>()?;
+    let parent = args.parent.as_deref().map(parse_parent).transpose()?;
     let store = args.backend.open().await?;
     let mut failed = 0;
     for ip in ips {
-        if let Err(e) = store.release(ip).await {
+        let released = match &parent {
+            Some(p) => store.release_owned(ip, p).await,
+            None => store.release(ip).await,
+        };
+        if let Err(e) = released {
             failed += 1;
             eprintln!("error: releasing {ip}: {e}");
         }

@@ -95,6 +95,13 @@ pub struct ControllerArgs {
     #[arg(long, default_value = "15s", value_parser = crate::store::etcd::parse_duration)]
     pub shutdown_drain_timeout: std::time::Duration,
 
+    /// How long an address the webhook answered may stay unrecorded by the kube-apiserver
+    /// before it is released: the request failed after our answer (validation, another
+    /// admission plugin, a quota) and no Service holds it. Must exceed the apiserver's
+    /// --request-timeout (60s by default), e.g. 90s.
+    #[arg(long, default_value = "90s", value_parser = parse_timeout)]
+    pub in_flight_limit: std::time::Duration,
+
     /// Address of the plain-HTTP endpoint for /metrics, /healthz and /readyz (port 0: as
     /// for --webhook-bind-address).
     #[arg(long, default_value = "0.0.0.0:8080")]
@@ -196,7 +203,23 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         info!(seeded, "recorded addresses the cluster already uses in our ranges");
     }
     let store = Arc::new(MeteredStore::new(store, metrics.clone()));
-    let admission = Arc::new(Admission::new(store.clone(), Some(recorded)));
+    let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit));
+    // Answered addresses the apiserver never records (the request failed later) go back
+    // after the in-flight limit; every replica sweeps its own.
+    let _in_flight = {
+        let admission = admission.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval((args.in_flight_limit / 4).clamp(std::time::Duration::from_secs(1), std::time::Duration::from_secs(10)));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let swept = admission.sweep_in_flight().await;
+                if !swept.released.is_empty() {
+                    info!(released = swept.released.len(), waiting = swept.waiting, "released addresses whose Service was never stored");
+                }
+            }
+        })
+    };
 
     let webhook = TcpListener::bind(args.webhook_bind_address)
         .await
@@ -234,11 +257,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     };
     let (repair_interval, repair_grace) = (args.repair_interval, args.repair_grace_period);
     let reconcilers = {
-        let (client, store, metrics, identity) = (client.clone(), store.clone(), metrics.clone(), identity.clone());
+        let (client, store, metrics, identity, recorded) = (client.clone(), store.clone(), metrics.clone(), identity.clone(), recorded.clone());
         move || -> tokio::task::JoinHandle<()> {
             let store: Arc<dyn crate::store::AllocationStore> = store.clone();
             let cidr_ctx = Arc::new(servicecidrs::Context { client: client.clone(), store: store.clone(), metrics: metrics.clone() });
-            let svc = services::run(client.clone(), store, events.clone(), metrics.clone());
+            let svc = services::run(client.clone(), store, recorded.clone(), events.clone(), metrics.clone());
             let repair = (!repair_interval.is_zero()).then(|| {
                 let repairer = Repairer::new(client.clone(), repair_target.clone())
                     .with_grace(repair_grace)

@@ -149,7 +149,12 @@ impl Repairer {
         // Records first (see the module docs), then ranges, then Services.
         let (records, ranges, mode, backend) = match &self.target {
             Target::Etcd(store) => {
-                let all: BTreeSet<IpAddr> = store.allocated().await?.into_iter().collect();
+                let mut all: BTreeSet<IpAddr> = store.allocated().await?.into_iter().collect();
+                // Addresses with a recorded owner other than a Service are their owner's to
+                // release; never judged as leaks here.
+                for (ip, _) in store.owners().await? {
+                    all.remove(&ip);
+                }
                 progress("records", all.len());
                 (Records::Map(all), store.ranges(), Mode::Etcd, "etcd")
             }

@@ -22,6 +22,8 @@ use tracing::warn;
 
 use crate::cidr;
 
+use super::StoreError;
+
 /// A watch-fed set of IPAddress names.
 #[derive(Clone)]
 pub struct ApiserverIps {
@@ -29,18 +31,20 @@ pub struct ApiserverIps {
     /// Counts additions (a new record, or a relist); a receiver never misses one, however
     /// busy its task was when it happened.
     added: Arc<watch::Sender<u64>>,
+    /// For reads from storage; None for a fixed view.
+    api: Option<Api<IPAddress>>,
 }
 
 impl Default for ApiserverIps {
     fn default() -> Self {
-        Self { set: Arc::default(), added: Arc::new(watch::Sender::new(0)) }
+        Self { set: Arc::default(), added: Arc::new(watch::Sender::new(0)), api: None }
     }
 }
 
 impl ApiserverIps {
     /// Start the watch; `synced` turns true after the first full list.
     pub fn start(client: kube::Client) -> (Self, watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
-        let me = Self::default();
+        let me = Self { api: Some(Api::all(client.clone())), ..Self::default() };
         let (tx, rx) = watch::channel(false);
         let (set, added) = (me.set.clone(), me.added.clone());
         let task = tokio::spawn(async move {
@@ -83,6 +87,18 @@ impl ApiserverIps {
     /// back to reproduce a lagging watch.
     pub fn fixed(addresses: impl IntoIterator<Item = IpAddr>) -> Self {
         Self { set: Arc::new(RwLock::new(addresses.into_iter().collect())), ..Self::default() }
+    }
+
+    /// Whether the apiserver records `ip` right now, read from storage: a GET without a
+    /// resourceVersion, never served from a cache. The deciding read where the view could be
+    /// stale (see the module docs). A fixed view answers from its set.
+    pub async fn recorded_now(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        let Some(api) = &self.api else { return Ok(self.contains(ip)) };
+        match api.get_opt(&ip.to_string()).await {
+            Ok(found) => Ok(found.is_some()),
+            Err(kube::Error::Api(s)) if s.code < 500 && s.code != 429 => Err(StoreError::Backend(format!("reading IPAddress {ip}: {} ({})", s.message, s.code))),
+            Err(e) => Err(StoreError::Unavailable(format!("reading IPAddress {ip}: {e}"))),
+        }
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {

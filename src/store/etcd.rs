@@ -18,6 +18,14 @@
 //! - With an address pool (`pool_size > 0`, the controller), dynamic requests are answered
 //!   from addresses this process recorded ahead of need; see [`super::etcd_pool`] for how
 //!   pool keys, the lease and claims keep that race-free.
+//! - Owners other than Services (a Gateway, anything `clusterip allocate --parent` names)
+//!   are recorded under `<range key>/owner/<address>` (the parentRef as JSON), written in
+//!   the same transaction as the allocation and deleted in the same transaction as the
+//!   release. A release is conditional on the owner key: an unowned release (a Service's
+//!   address, the repair pass) requires that no owner key exists, an owned one that the key
+//!   names the releaser — each as a compare in the transaction, so a stale copy can only
+//!   cause a retry, never a release of another owner's address. Service addresses carry
+//!   no owner key: the kube-apiserver records them itself, as IPAddress objects.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -207,9 +215,14 @@ pub fn range_key(prefix: &str, cidr: &ServiceCidr) -> String {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Allocate(IpAddr),
-    AllocateNext,
-    Release(IpAddr),
+    /// Record the address; with an owner, also its owner key.
+    Allocate(IpAddr, Option<ParentRef>),
+    AllocateNext(Option<ParentRef>),
+    /// Release the address: with no owner, only while no owner key exists; with one, only
+    /// while the owner key names it (the key is deleted with it).
+    Release(IpAddr, Option<ParentRef>),
+    /// Record the owner of an address the map already holds for us (taken from a pool).
+    Own(IpAddr, ParentRef),
     /// Record up to this many addresses into this replica's pool (see [`super::etcd_pool`]).
     Fill(usize),
     /// Rewrite this replica's pool key to what its pool holds now.
@@ -220,6 +233,32 @@ enum Op {
 
 /// Per op: the addresses it recorded (none for a release).
 type Reply = Result<Vec<IpAddr>, StoreError>;
+
+/// `<range key>/owner/` — the prefix of the owner keys of one range's addresses.
+pub fn owner_prefix(range_key: &str) -> String {
+    format!("{range_key}/owner/")
+}
+
+/// The owner key of an address.
+pub fn owner_key(range_key: &str, ip: IpAddr) -> String {
+    format!("{}{ip}", owner_prefix(range_key))
+}
+
+/// An owner key's value.
+fn encode_owner(owner: &ParentRef) -> Vec<u8> {
+    serde_json::to_vec(owner).unwrap_or_default()
+}
+
+/// An owner key's value read back. An unreadable value still marks the address as owned
+/// (by an owner that cannot be named), so no unowned release takes it.
+fn decode_owner(value: &[u8]) -> ParentRef {
+    serde_json::from_slice(value).unwrap_or_else(|_| ParentRef {
+        group: String::new(),
+        resource: "unreadable-owner-record".into(),
+        namespace: None,
+        name: String::from_utf8_lossy(value).chars().take(64).collect(),
+    })
+}
 
 struct Request {
     op: Op,
@@ -236,6 +275,8 @@ struct View {
     watched: i64,
     /// Pool member → the addresses its pool key lists.
     pools: BTreeMap<String, BTreeSet<IpAddr>>,
+    /// Address → its owner key's owner (owners other than Services).
+    owners: BTreeMap<IpAddr, ParentRef>,
 }
 
 impl View {
@@ -328,7 +369,7 @@ impl EtcdStore {
         let mut tasks = Vec::new();
         for (index, cidr) in cidrs.iter().enumerate() {
             let key = range_key(&cfg.prefix, cidr);
-            let view = Arc::new(Mutex::new(View { map: AllocationMap::new(cidr.clone()), revision: 0, watched: 0, pools: BTreeMap::new() }));
+            let view = Arc::new(Mutex::new(View { map: AllocationMap::new(cidr.clone()), revision: 0, watched: 0, pools: BTreeMap::new(), owners: BTreeMap::new() }));
             let (tx, rx) = mpsc::channel(65536);
             let ctx = RangeCtx {
                 index,
@@ -403,7 +444,7 @@ impl EtcdStore {
         // group commit turns them into a handful of transactions.
         let mut pending = futures::stream::FuturesUnordered::new();
         for ip in legacy.iter() {
-            pending.push(self.submit(range, Op::Allocate(ip)));
+            pending.push(self.submit(range, Op::Allocate(ip, None)));
             if pending.len() >= 4096 {
                 added += drain_import(&mut pending).await?;
             }
@@ -514,7 +555,7 @@ impl EtcdStore {
             None => self.claim_any(range).await,
         };
         let Some(better) = better else { return ip };
-        if let Err(e) = self.submit(range, Op::Release(ip)).await {
+        if let Err(e) = self.submit(range, Op::Release(ip, None)).await {
             debug!(%ip, error = %e, "could not give back a static-band address; the repair pass reclaims it");
         }
         better
@@ -574,6 +615,23 @@ impl EtcdStore {
     }
 }
 
+/// The owner an allocation records: its parent, unless that is a Service (the
+/// kube-apiserver records a Service's addresses itself, as IPAddress objects).
+fn recorded_owner(parent: Option<&ParentRef>) -> Option<ParentRef> {
+    parent.filter(|p| !p.is_service()).cloned()
+}
+
+impl EtcdStore {
+    /// After taking `ip` from a pool (ours, or another replica's by a claim): record its
+    /// owner, if it has one to record.
+    async fn own(&self, range: usize, ip: IpAddr, owner: Option<ParentRef>) -> Result<(), StoreError> {
+        match owner {
+            Some(o) => self.submit(range, Op::Own(ip, o)).await.map(|_| ()),
+            None => Ok(()),
+        }
+    }
+}
+
 async fn drain_import<F: std::future::Future<Output = Reply>>(
     pending: &mut futures::stream::FuturesUnordered<F>,
 ) -> Result<usize, StoreError> {
@@ -598,25 +656,40 @@ impl AllocationStore for EtcdStore {
         self.ranges.cidrs().to_vec()
     }
 
-    async fn allocate(&self, ip: IpAddr, _parent: Option<&ParentRef>) -> Result<(), StoreError> {
+    async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
         let range = self.ranges.index_of(ip)?;
+        let owner = recorded_owner(parent);
         if self.pool.take(range, ip) {
             // Ours, pooled: it is recorded already; the pool key is rewritten without it.
             enqueue(&self.per_range[range].queue, Op::SyncPool);
-            return Ok(());
+            return self.own(range, ip, owner).await;
         }
-        let owner = lock(&self.per_range[range].view).pool_owner(ip).map(str::to_string);
-        if let Some(owner) = owner {
-            if self.pool.lease().map(|l| l.member()) == Some(owner.clone()) {
+        let pooled_by = lock(&self.per_range[range].view).pool_owner(ip).map(str::to_string);
+        if let Some(pooled_by) = pooled_by {
+            if self.pool.lease().map(|l| l.member()) == Some(pooled_by.clone()) {
                 // Our pool key still lists it, but our pool no longer holds it: handed out.
                 return Err(StoreError::Alloc(AllocError::Allocated));
             }
-            return self.claim(range, ip, owner).await;
+            self.claim(range, ip, pooled_by).await?;
+            return self.own(range, ip, owner).await;
         }
-        self.submit(range, Op::Allocate(ip)).await.map(|_| ())
+        self.submit(range, Op::Allocate(ip, owner)).await.map(|_| ())
     }
 
-    async fn allocate_next(&self, family: Family, _parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
+    async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
+        if let Some(owner) = recorded_owner(parent) {
+            // Pools are for Services; an owned address is chosen in a transaction that also
+            // writes its owner key.
+            let mut last = None;
+            for range in self.ranges.of_family(family)? {
+                match self.submit(range, Op::AllocateNext(Some(owner.clone()))).await {
+                    Ok(ips) if !ips.is_empty() => return Ok(ips[0]),
+                    Ok(_) | Err(StoreError::Alloc(AllocError::Full)) => last = Some(StoreError::Alloc(AllocError::Full)),
+                    Err(e) => return Err(e),
+                }
+            }
+            return Err(last.unwrap_or(StoreError::Alloc(AllocError::Full)));
+        }
         let mut last = None;
         for range in self.ranges.of_family(family)? {
             if let Some(ip) = self.pop_pooled(range) {
@@ -625,7 +698,7 @@ impl AllocationStore for EtcdStore {
             if let Some(n) = self.pool.start_fill(range, Instant::now()) {
                 enqueue(&self.per_range[range].queue, Op::Fill(n));
             }
-            match self.submit(range, Op::AllocateNext).await {
+            match self.submit(range, Op::AllocateNext(None)).await {
                 Ok(ips) if !ips.is_empty() => return Ok(self.prefer_dynamic(range, ips[0]).await),
                 // Full but for pools: ours (a refill may have landed in the same
                 // transaction) or another replica's.
@@ -659,7 +732,39 @@ impl AllocationStore for EtcdStore {
                 return Err(StoreError::Unavailable(format!("{ip} is being claimed from the address pool of replica {owner} right now; retry the release")));
             }
         }
-        self.submit(range, Op::Release(ip)).await.map(|_| ())
+        self.submit(range, Op::Release(ip, None)).await.map(|_| ())
+    }
+
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        let Some(owner) = recorded_owner(Some(owner)) else { return self.release(ip).await };
+        let Ok(range) = self.ranges.index_of(ip) else { return Ok(()) };
+        self.submit(range, Op::Release(ip, Some(owner))).await.map(|_| ())
+    }
+
+    async fn owner(&self, ip: IpAddr) -> Result<Option<ParentRef>, StoreError> {
+        let Ok(range) = self.ranges.index_of(ip) else { return Ok(None) };
+        let mut client = self.client.clone();
+        Ok(get(&mut client, &owner_key(&self.per_range[range].key, ip), self.timeout).await?.map(|(v, _)| decode_owner(&v)))
+    }
+
+    async fn owners(&self) -> Result<Vec<(IpAddr, ParentRef)>, StoreError> {
+        let mut all = Vec::new();
+        for r in &self.per_range {
+            let prefix = owner_prefix(&r.key);
+            let mut client = self.client.clone();
+            let resp = match tokio::time::timeout(self.timeout, client.get(prefix.as_str(), Some(GetOptions::new().with_prefix()))).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {prefix} from etcd: {e}"))),
+                Err(_) => return Err(StoreError::Unavailable(format!("reading {prefix} from etcd: no answer within {:?}", self.timeout))),
+            };
+            for kv in resp.kvs() {
+                if let Some(ip) = kv.key_str().ok().and_then(|k| k.strip_prefix(prefix.as_str())).and_then(|t| crate::cidr::parse_ip(t).ok()) {
+                    all.push((ip, decode_owner(kv.value())));
+                }
+            }
+        }
+        all.sort_by_key(|(ip, _)| *ip);
+        Ok(all)
     }
 
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
@@ -733,6 +838,7 @@ enum Under<'a> {
     Map,
     Pool(&'a str),
     Claim(IpAddr),
+    Owner(IpAddr),
     Other,
 }
 
@@ -743,6 +849,9 @@ fn classify<'a>(range_key: &str, key: &'a str) -> Under<'a> {
     let Some(rest) = key.strip_prefix(range_key).and_then(|r| r.strip_prefix('/')) else { return Under::Other };
     if let Some(member) = rest.strip_prefix("pool/") {
         return Under::Pool(member);
+    }
+    if let Some(Ok(ip)) = rest.strip_prefix("owner/").map(crate::cidr::parse_ip) {
+        return Under::Owner(ip);
     }
     match rest.strip_prefix("claim/").map(crate::cidr::parse_ip) {
         Some(Ok(ip)) => Under::Claim(ip),
@@ -780,6 +889,14 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
             }
             None => {
                 v.pools.remove(member);
+            }
+        },
+        Under::Owner(ip) => match value {
+            Some(value) => {
+                v.owners.insert(ip, decode_owner(value));
+            }
+            None => {
+                v.owners.remove(&ip);
             }
         },
         Under::Claim(ip) => {
@@ -853,6 +970,7 @@ async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
         v.map = map;
         v.revision = revision;
         v.pools.clear();
+        v.owners.clear();
         v.watched = resp.header().map(|h| h.revision()).unwrap_or(revision);
     }
     for (k, value, rev) in rest {
@@ -896,7 +1014,7 @@ impl Committer {
                 Ok(results) => {
                     for (req, res) in batch.into_iter().zip(results) {
                         if let Some(reply) = req.reply {
-                            let _ = reply.send(res.map_err(StoreError::Alloc));
+                            let _ = reply.send(res);
                         }
                     }
                 }
@@ -915,7 +1033,7 @@ impl Committer {
     }
 
     /// Decide `ops` against the current map and make the result durable in one transaction.
-    async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Result<Vec<IpAddr>, AllocError>>, StoreError> {
+    async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Reply>, StoreError> {
         let result = self.commit_inner(ops).await;
         if ops.iter().any(|op| matches!(op, Op::Fill(_))) {
             // Tell the pool the fill ended, with nothing on failure (the map is unchanged then).
@@ -933,33 +1051,64 @@ impl Committer {
     }
 
     #[allow(clippy::type_complexity)]
-    async fn commit_inner(&mut self, ops: &[Op]) -> Result<(Vec<Result<Vec<IpAddr>, AllocError>>, Vec<IpAddr>, Option<i64>), StoreError> {
+    async fn commit_inner(&mut self, ops: &[Op]) -> Result<(Vec<Reply>, Vec<IpAddr>, Option<i64>), StoreError> {
         let key = self.ctx.key.clone();
         for attempt in 0..MAX_CONFLICT_RETRIES {
             if self.stale {
                 reload(&self.ctx).await?;
                 self.stale = false;
             }
-            let (mut map, revision) = {
+            let (mut map, revision, mut owners) = {
                 let v = lock(&self.ctx.view);
-                (v.map.clone(), v.revision)
+                (v.map.clone(), v.revision, v.owners.clone())
             };
             let lease = self.ctx.pool.lease();
             let mut changed = false;
             let mut release_missed = false;
             let mut pw = PoolWrite::default();
-            let results: Vec<_> = ops
+            // Owner keys to write or delete, and what each must be for the writes to apply.
+            let mut owner_ops: Vec<TxnOp> = Vec::new();
+            let mut owner_guards: Vec<Compare> = Vec::new();
+            let results: Vec<Reply> = ops
                 .iter()
                 .map(|op| match op {
-                    Op::Allocate(ip) => map.allocate(*ip).map(|()| {
-                        changed = true;
-                        vec![*ip]
-                    }),
-                    Op::AllocateNext => map.allocate_next().map(|ip| {
-                        changed = true;
-                        vec![ip]
-                    }),
-                    Op::Release(ip) => {
+                    Op::Allocate(ip, owner) => match map.allocate(*ip) {
+                        Ok(()) => {
+                            changed = true;
+                            if let Some(o) = owner {
+                                owner_ops.push(TxnOp::put(owner_key(&key, *ip), encode_owner(o), None));
+                                owners.insert(*ip, o.clone());
+                            }
+                            Ok(vec![*ip])
+                        }
+                        Err(e) => Err(e.into()),
+                    },
+                    Op::AllocateNext(owner) => match map.allocate_next() {
+                        Ok(ip) => {
+                            changed = true;
+                            if let Some(o) = owner {
+                                owner_ops.push(TxnOp::put(owner_key(&key, ip), encode_owner(o), None));
+                                owners.insert(ip, o.clone());
+                            }
+                            Ok(vec![ip])
+                        }
+                        Err(e) => Err(e.into()),
+                    },
+                    Op::Release(ip, releaser) => {
+                        let okey = owner_key(&key, *ip);
+                        match (owners.get(ip), releaser) {
+                            (Some(o), None) => return Err(StoreError::NotOwner { ip: *ip, owner: o.clone() }),
+                            (Some(o), Some(r)) if o != r => return Err(StoreError::NotOwner { ip: *ip, owner: o.clone() }),
+                            (Some(o), Some(_)) => {
+                                owner_guards.push(Compare::value(okey.clone(), CompareOp::Equal, encode_owner(o)));
+                                owner_ops.push(TxnOp::delete(okey, None));
+                                owners.remove(ip);
+                            }
+                            (None, Some(_)) if map.has(*ip) => {
+                                return Err(StoreError::Backend(format!("{ip} is recorded without an owner; release it without --parent")));
+                            }
+                            (None, _) => owner_guards.push(Compare::version(okey, CompareOp::Equal, 0)),
+                        }
                         if map.has(*ip) {
                             map.release(*ip);
                             changed = true;
@@ -967,6 +1116,16 @@ impl Committer {
                             release_missed = true;
                         }
                         Ok(Vec::new())
+                    }
+                    Op::Own(ip, o) => {
+                        if !map.has(*ip) || owners.contains_key(ip) {
+                            return Err(AllocError::Allocated.into());
+                        }
+                        let okey = owner_key(&key, *ip);
+                        owner_guards.push(Compare::version(okey.clone(), CompareOp::Equal, 0));
+                        owner_ops.push(TxnOp::put(okey, encode_owner(o), None));
+                        owners.insert(*ip, o.clone());
+                        Ok(vec![*ip])
                     }
                     Op::Fill(n) => {
                         pw.fills = true;
@@ -1016,7 +1175,7 @@ impl Committer {
                 }
                 _ => None,
             };
-            if !changed && pool_op.is_none() {
+            if !changed && pool_op.is_none() && owner_ops.is_empty() {
                 // A release of an address our copy does not know may be racing the watch
                 // (another process allocated it a moment ago): read etcd once and decide again.
                 if release_missed && attempt == 0 {
@@ -1036,7 +1195,12 @@ impl Committer {
                 then.push(TxnOp::put(key.clone(), map.snapshot(), None));
             }
             then.extend(pool_op);
-            let txn = Txn::new().when(guards).and_then(then).or_else([TxnOp::get(key.clone(), None)]);
+            guards.extend(owner_guards);
+            then.extend(owner_ops);
+            let txn = Txn::new()
+                .when(guards)
+                .and_then(then)
+                .or_else([TxnOp::get(key.clone(), None), TxnOp::get(owner_prefix(&key), Some(GetOptions::new().with_prefix()))]);
             let resp = match tokio::time::timeout(self.ctx.timeout, self.ctx.client.clone().txn(txn)).await {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => {
@@ -1063,17 +1227,29 @@ impl Committer {
                     if v.revision < new_revision {
                         v.map = map;
                         v.revision = new_revision;
+                        v.owners = owners;
                     }
                 }
                 return Ok((results, pw.filled, lease.map(|l| l.id)));
             }
             // Lost the race: adopt what etcd holds and decide again.
             debug!(key = %key, attempt, "allocation map changed concurrently; retrying on the new version");
-            let current = resp.op_responses().into_iter().find_map(|r| match r {
-                TxnOpResponse::Get(g) => Some(g.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision()))),
+            let mut gets = resp.op_responses().into_iter().filter_map(|r| match r {
+                TxnOpResponse::Get(g) => Some(g),
                 _ => None,
             });
-            let (map, revision) = match current.flatten() {
+            let current = gets.next().and_then(|g| g.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())));
+            let prefix = owner_prefix(&key);
+            let now_owned: Option<BTreeMap<IpAddr, ParentRef>> = gets.next().map(|g| {
+                g.kvs()
+                    .iter()
+                    .filter_map(|kv| {
+                        let ip = kv.key_str().ok()?.strip_prefix(prefix.as_str()).and_then(|t| crate::cidr::parse_ip(t).ok())?;
+                        Some((ip, decode_owner(kv.value())))
+                    })
+                    .collect()
+            });
+            let (map, revision) = match current {
                 Some((value, rev)) => (decode(&key, &self.ctx.cidr, &value)?, rev),
                 None => (AllocationMap::new(self.ctx.cidr.clone()), 0),
             };
@@ -1081,6 +1257,10 @@ impl Committer {
             if v.revision <= revision {
                 v.map = map;
                 v.revision = revision;
+                // Read in the same transaction as the map, so of the same moment.
+                if let Some(owned) = now_owned {
+                    v.owners = owned;
+                }
             }
         }
         Err(StoreError::Unavailable(format!("{key}: gave up after {MAX_CONFLICT_RETRIES} conflicting writes")))

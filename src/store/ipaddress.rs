@@ -359,6 +359,44 @@ impl AllocationStore for IpAddressStore {
     }
 
     async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
+        self.release_if(ip, None).await
+    }
+
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        self.release_if(ip, Some(owner)).await
+    }
+
+    async fn owner(&self, ip: IpAddr) -> Result<Option<ParentRef>, StoreError> {
+        self.check_ready()?;
+        let name = ip.to_string();
+        match self.api.get_opt(&name).await {
+            Ok(obj) => Ok(obj.map(|o| ParentRef::from(&o.spec.parent_ref)).filter(|p| !p.is_service())),
+            Err(e) => Err(api_error("reading IPAddress", &name, e)),
+        }
+    }
+
+    async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        self.check_ready()?;
+        Ok(lock(&self.state).objects.contains_key(&ip))
+    }
+
+    async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
+        self.check_ready()?;
+        let st = lock(&self.state);
+        Ok(st.objects.keys().filter(|ip| st.ranges.iter().any(|r| r.cidr.contains(**ip))).copied().collect())
+    }
+
+    async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
+        self.check_ready()?;
+        let st = lock(&self.state);
+        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free(), pooled: 0 }).collect())
+    }
+}
+
+impl IpAddressStore {
+    /// Delete our IPAddress for `ip`, read from storage: with `owner`, only if its parentRef
+    /// names that owner; without, only if it names no owner but a Service (or none).
+    async fn release_if(&self, ip: IpAddr, owner: Option<&ParentRef>) -> Result<(), StoreError> {
         self.check_ready()?;
         let ours = lock(&self.state).objects.get(&ip).copied();
         match ours {
@@ -385,6 +423,12 @@ impl AllocationStore for IpAddressStore {
                     debug!(%ip, "not releasing an IPAddress managed by another controller");
                     return Ok(());
                 }
+                let recorded = Some(ParentRef::from(&current.spec.parent_ref)).filter(|p| !p.is_service());
+                match (recorded, owner) {
+                    (Some(o), None) => return Err(StoreError::NotOwner { ip, owner: o }),
+                    (Some(o), Some(r)) if &o != r => return Err(StoreError::NotOwner { ip, owner: o }),
+                    _ => {}
+                }
                 let preconditions = Preconditions { uid: current.metadata.uid.clone(), resource_version: current.metadata.resource_version.clone() };
                 match self.api.delete(&name, &DeleteParams { preconditions: Some(preconditions), ..Default::default() }).await {
                     Ok(_) => {}
@@ -399,23 +443,6 @@ impl AllocationStore for IpAddressStore {
                 Ok(())
             }
         }
-    }
-
-    async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
-        self.check_ready()?;
-        Ok(lock(&self.state).objects.contains_key(&ip))
-    }
-
-    async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
-        self.check_ready()?;
-        let st = lock(&self.state);
-        Ok(st.objects.keys().filter(|ip| st.ranges.iter().any(|r| r.cidr.contains(**ip))).copied().collect())
-    }
-
-    async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
-        self.check_ready()?;
-        let st = lock(&self.state);
-        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free(), pooled: 0 }).collect())
     }
 }
 

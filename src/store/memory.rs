@@ -3,6 +3,7 @@
 //! Service reconciler), as Kubernetes tests its registry on an in-memory allocator; never a
 //! backend a controller runs with.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Mutex;
 
@@ -13,20 +14,28 @@ use crate::cidr::{Family, ServiceCidr};
 
 use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
 
-/// Allocation maps per range, behind one lock.
+/// Allocation maps per range and the owners recorded for non-Service parents, behind one
+/// lock.
 pub struct MemoryStore {
     ranges: RangeSet,
-    maps: Mutex<Vec<AllocationMap>>,
+    maps: Mutex<(Vec<AllocationMap>, BTreeMap<IpAddr, ParentRef>)>,
 }
 
 impl MemoryStore {
     pub fn new(cidrs: Vec<ServiceCidr>) -> Self {
         let maps = cidrs.iter().map(|c| AllocationMap::new(c.clone())).collect();
-        Self { ranges: RangeSet::new(cidrs), maps: Mutex::new(maps) }
+        Self { ranges: RangeSet::new(cidrs), maps: Mutex::new((maps, BTreeMap::new())) }
     }
 
-    fn maps(&self) -> std::sync::MutexGuard<'_, Vec<AllocationMap>> {
+    fn state(&self) -> std::sync::MutexGuard<'_, (Vec<AllocationMap>, BTreeMap<IpAddr, ParentRef>)> {
         self.maps.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record `parent` as the owner when it is not a Service (as the etcd backend does).
+    fn own(owners: &mut BTreeMap<IpAddr, ParentRef>, ip: IpAddr, parent: Option<&ParentRef>) {
+        if let Some(p) = parent.filter(|p| !p.is_service()) {
+            owners.insert(ip, p.clone());
+        }
     }
 }
 
@@ -40,18 +49,24 @@ impl AllocationStore for MemoryStore {
         self.ranges.cidrs().to_vec()
     }
 
-    async fn allocate(&self, ip: IpAddr, _parent: Option<&ParentRef>) -> Result<(), StoreError> {
+    async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
         let i = self.ranges.index_of(ip)?;
-        Ok(self.maps()[i].allocate(ip)?)
+        let mut st = self.state();
+        st.0[i].allocate(ip)?;
+        Self::own(&mut st.1, ip, parent);
+        Ok(())
     }
 
-    async fn allocate_next(&self, family: Family, _parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
+    async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
         let idx = self.ranges.of_family(family)?;
-        let mut maps = self.maps();
+        let mut st = self.state();
         let mut last = None;
         for i in idx {
-            match maps[i].allocate_next() {
-                Ok(ip) => return Ok(ip),
+            match st.0[i].allocate_next() {
+                Ok(ip) => {
+                    Self::own(&mut st.1, ip, parent);
+                    return Ok(ip);
+                }
                 Err(e) => last = Some(e),
             }
         }
@@ -59,23 +74,50 @@ impl AllocationStore for MemoryStore {
     }
 
     async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
+        let mut st = self.state();
+        if let Some(owner) = st.1.get(&ip) {
+            return Err(StoreError::NotOwner { ip, owner: owner.clone() });
+        }
         if let Ok(i) = self.ranges.index_of(ip) {
-            self.maps()[i].release(ip);
+            st.0[i].release(ip);
         }
         Ok(())
     }
 
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        let mut st = self.state();
+        match st.1.get(&ip) {
+            Some(o) if o == owner => {
+                st.1.remove(&ip);
+            }
+            Some(o) => return Err(StoreError::NotOwner { ip, owner: o.clone() }),
+            None => {}
+        }
+        if let Ok(i) = self.ranges.index_of(ip) {
+            st.0[i].release(ip);
+        }
+        Ok(())
+    }
+
+    async fn owner(&self, ip: IpAddr) -> Result<Option<ParentRef>, StoreError> {
+        Ok(self.state().1.get(&ip).cloned())
+    }
+
+    async fn owners(&self) -> Result<Vec<(IpAddr, ParentRef)>, StoreError> {
+        Ok(self.state().1.iter().map(|(ip, p)| (*ip, p.clone())).collect())
+    }
+
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
-        Ok(self.ranges.index_of(ip).map(|i| self.maps()[i].has(ip)).unwrap_or(false))
+        Ok(self.ranges.index_of(ip).map(|i| self.state().0[i].has(ip)).unwrap_or(false))
     }
 
     async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
-        let mut all: Vec<IpAddr> = self.maps().iter().flat_map(|m| m.iter().collect::<Vec<_>>()).collect();
+        let mut all: Vec<IpAddr> = self.state().0.iter().flat_map(|m| m.iter().collect::<Vec<_>>()).collect();
         all.sort();
         Ok(all)
     }
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
-        Ok(self.maps().iter().map(|m| RangeUsage { cidr: m.cidr().clone(), used: m.used(), free: m.free(), pooled: 0 }).collect())
+        Ok(self.state().0.iter().map(|m| RangeUsage { cidr: m.cidr().clone(), used: m.used(), free: m.free(), pooled: 0 }).collect())
     }
 }

@@ -69,6 +69,18 @@ impl AllocationStore for MeteredStore {
         self.inner.release(ip).await
     }
 
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        self.inner.release_owned(ip, owner).await
+    }
+
+    async fn owner(&self, ip: IpAddr) -> Result<Option<ParentRef>, StoreError> {
+        self.inner.owner(ip).await
+    }
+
+    async fn owners(&self) -> Result<Vec<(IpAddr, ParentRef)>, StoreError> {
+        self.inner.owners().await
+    }
+
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
         self.inner.has(ip).await
     }

@@ -48,6 +48,12 @@ impl ParentRef {
     pub fn service(namespace: &str, name: &str) -> Self {
         Self { group: String::new(), resource: "services".into(), namespace: Some(namespace.into()), name: name.into() }
     }
+
+    /// Whether this names a core Service. A Service's addresses are recorded by the
+    /// kube-apiserver itself, as IPAddress objects; every other owner's only by us.
+    pub fn is_service(&self) -> bool {
+        self.group.is_empty() && self.resource == "services"
+    }
 }
 
 impl From<&k8s_openapi::api::networking::v1::ParentReference> for ParentRef {
@@ -86,6 +92,9 @@ pub enum StoreError {
     /// The store has not finished its first sync.
     #[error("allocator not ready")]
     NotReady,
+    /// A release by someone other than the address's recorded owner: nothing was released.
+    #[error("{ip} is held by {owner}; only its owner releases it (pass --parent {owner})")]
+    NotOwner { ip: IpAddr, owner: ParentRef },
     /// Anything else from the backend, with its text.
     #[error("{0}")]
     Backend(String),
@@ -120,8 +129,31 @@ pub trait AllocationStore: Send + Sync {
     /// each range first, the static band only when it is full).
     async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError>;
 
-    /// Release an address; releasing a free or out-of-range address is a no-op.
+    /// Release an address that no recorded owner holds (a Service's, or one recorded
+    /// without a parent); releasing a free or out-of-range address is a no-op. An address
+    /// with a recorded owner ([`owner`](Self::owner)) is not released: `NotOwner`.
     async fn release(&self, ip: IpAddr) -> Result<(), StoreError>;
+
+    /// Release an address on behalf of `owner`: only while the records say `owner` holds
+    /// it (`NotOwner` otherwise, and nothing changes). Backends without owner records
+    /// release as [`release`](Self::release) does.
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        let _ = owner;
+        self.release(ip).await
+    }
+
+    /// The owner recorded for an allocated address, read from the backend's storage (not
+    /// from a cache), for owners other than Services (whose addresses the kube-apiserver
+    /// records as IPAddress objects). None: free, or held without a recorded owner.
+    async fn owner(&self, ip: IpAddr) -> Result<Option<ParentRef>, StoreError> {
+        let _ = ip;
+        Ok(None)
+    }
+
+    /// Every address with a recorded owner, and the owner.
+    async fn owners(&self) -> Result<Vec<(IpAddr, ParentRef)>, StoreError> {
+        Ok(Vec::new())
+    }
 
     /// Whether the address is recorded as allocated.
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError>;

@@ -428,13 +428,29 @@ impl AllocationStore for LeaseReservations {
     /// Ends this replica's own reservation of `ip` (an admission rolling back). A release
     /// for a deleted Service leaves Leases alone: the apiserver drops its own record, and a
     /// Lease for the address can only be a newer admission's (see the module docs).
+    /// A Service gave the address up (the Service reconciler): no Lease is deleted — a
+    /// reservation for that address can only be a newer admission's — only the local
+    /// candidate map forgets it, unless the view shows it recorded.
     async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
         let Ok(range) = self.ranges.index_of(ip) else { return Ok(()) };
+        if !self.recorded.contains(ip) && !lock(&self.mine).contains_key(&ip) {
+            lock(&self.taken)[range].release(ip);
+        }
+        Ok(())
+    }
+
+    /// The admission that reserved the address for `owner` gives it back (its request
+    /// failed, here or after our answer): our Lease for it is deleted, by uid, if it was
+    /// reserved for that owner.
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        let Ok(range) = self.ranges.index_of(ip) else { return Ok(()) };
         let held = lock(&self.mine).get(&ip).cloned();
-        if let Some(held) = held {
-            if !self.drop_lease(ip, &held.uid).await {
+        match held {
+            Some(held) if held.parent.as_ref().is_none_or(|p| p == owner) && !self.drop_lease(ip, &held.uid).await => {
                 return Err(StoreError::Unavailable(format!("releasing the reservation for {ip}: the Lease could not be deleted")));
             }
+            Some(held) if held.parent.as_ref().is_some_and(|p| p != owner) => return Ok(()),
+            _ => {}
         }
         if !self.recorded.contains(ip) {
             lock(&self.taken)[range].release(ip);

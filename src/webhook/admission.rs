@@ -8,9 +8,22 @@
 //! CREATE, and on an UPDATE that turns ExternalName into another type or upgrades to two
 //! families — comes from our ranges; addresses the stored object already holds are kept as
 //! they are (the apiserver refuses changes to them itself).
+//!
+//! When an address is held (docs/backends.md, "When a Service address is held"): a Service
+//! holds its addresses from the moment it is stored — the kube-apiserver records each as
+//! an IPAddress object then, and refuses a second Service the same address with "provided
+//! IP is already allocated" — until it no longer holds them. Our records only keep dynamic
+//! picks from landing on an address in use. So a requested address that our records hold is
+//! refused only when a non-Service owner holds it, or when the apiserver records it right
+//! now (read from storage); otherwise it was held for a request that never became a stored
+//! Service (a failed or retried create) or for a Service deleted a moment ago, and it is
+//! the requester's. Addresses answered here are *in flight* until the apiserver records
+//! them; one it never records is released after [`IN_FLIGHT_LIMIT`].
 
+use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
@@ -34,11 +47,38 @@ pub const RESERVED_ANNOTATION: &str = "clusterip.allocator/reserved";
 /// Dynamic candidates skipped because the cluster already records them, per request.
 const MAX_SKIPPED: usize = 64;
 
+/// How long an address answered here may go unrecorded by the kube-apiserver before it is
+/// released: longer than any request can last after our answer (the apiserver's request
+/// timeout, `--request-timeout`, 60 s by default), with a margin.
+pub const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(90);
+
+/// An address this replica answered that the apiserver has not recorded yet.
+#[derive(Clone, Debug)]
+struct InFlight {
+    parent: ParentRef,
+    since: Instant,
+}
+
 /// The admission handlers, sharing one allocation store.
 pub struct Admission {
     store: Arc<dyn AllocationStore>,
     /// Addresses recorded as IPAddress objects by anyone (the kube-apiserver included).
     recorded: Option<ApiserverIps>,
+    /// Addresses answered by this replica and not yet seen recorded.
+    in_flight: Mutex<HashMap<IpAddr, InFlight>>,
+    /// How long an unrecorded answer is kept before its address is released.
+    in_flight_limit: Duration,
+}
+
+/// What one sweep of the in-flight addresses did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SweepResult {
+    /// Recorded by the apiserver: held by a stored Service now.
+    pub settled: usize,
+    /// Never recorded within the limit: released.
+    pub released: Vec<IpAddr>,
+    /// Still waiting (young, or the check failed and is tried again).
+    pub waiting: usize,
 }
 
 fn families_of(store: &dyn AllocationStore) -> Vec<Family> {
@@ -160,11 +200,113 @@ fn keeps(plan: &Plan, held: &[IpAddr]) -> bool {
 
 impl Admission {
     pub fn new(store: Arc<dyn AllocationStore>, recorded: Option<ApiserverIps>) -> Self {
-        Self { store, recorded }
+        Self { store, recorded, in_flight: Mutex::default(), in_flight_limit: IN_FLIGHT_LIMIT }
+    }
+
+    /// With another in-flight limit (tests).
+    pub fn with_in_flight_limit(mut self, limit: Duration) -> Self {
+        self.in_flight_limit = limit;
+        self
     }
 
     fn recorded_elsewhere(&self, ip: IpAddr) -> bool {
         self.recorded.as_ref().map(|r| r.contains(ip)).unwrap_or(false)
+    }
+
+    /// Whether the apiserver records `ip` right now, read from storage (without a view of
+    /// the cluster's records: assume it does).
+    async fn recorded_now(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        match &self.recorded {
+            Some(r) => r.recorded_now(ip).await,
+            None => Ok(true),
+        }
+    }
+
+    /// A requested address for a Service. Ok(true): newly recorded for this request;
+    /// Ok(false): our records already held it for no one who still has it (see the module
+    /// docs), and the apiserver's own record decides.
+    async fn allocate_static(&self, ip: IpAddr, parent: &ParentRef) -> Result<bool, StoreError> {
+        // The view is only a hint: a Service deleted a moment ago may still show.
+        if self.recorded_elsewhere(ip) && self.recorded_now(ip).await? {
+            return Err(StoreError::Alloc(AllocError::Allocated));
+        }
+        match self.store.allocate(ip, Some(parent)).await {
+            Ok(()) => Ok(true),
+            Err(StoreError::Alloc(AllocError::Allocated)) => {
+                if let Some(owner) = self.store.owner(ip).await? {
+                    debug!(%ip, %owner, "requested address held by a recorded owner");
+                    return Err(StoreError::Alloc(AllocError::Allocated));
+                }
+                if self.recorded_now(ip).await? {
+                    return Err(StoreError::Alloc(AllocError::Allocated));
+                }
+                debug!(%ip, service = %parent, "requested address held in our records for no stored Service; the apiserver's record decides");
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Remember what this replica answered until the apiserver records it.
+    fn answered(&self, ips: &[IpAddr], parent: &ParentRef) {
+        let now = Instant::now();
+        let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        for ip in ips {
+            f.insert(*ip, InFlight { parent: parent.clone(), since: now });
+        }
+    }
+
+    /// Addresses answered and not yet seen recorded (for tests and metrics).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Settle what the apiserver has recorded; release what it has not recorded within the
+    /// in-flight limit (the request failed: validation, another admission plugin, quota,
+    /// a timeout), after reading from storage that it still does not.
+    pub async fn sweep_in_flight(&self) -> SweepResult {
+        let now = Instant::now();
+        let mut result = SweepResult::default();
+        let candidates: Vec<(IpAddr, InFlight)> = {
+            let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            let before = f.len();
+            f.retain(|ip, _| !self.recorded_elsewhere(*ip));
+            result.settled = before - f.len();
+            f.iter().filter(|(_, e)| now.saturating_duration_since(e.since) >= self.in_flight_limit).map(|(ip, e)| (*ip, e.clone())).collect()
+        };
+        for (ip, entry) in candidates {
+            let done = match self.recorded_now(ip).await {
+                Ok(true) => {
+                    result.settled += 1;
+                    true
+                }
+                Ok(false) => match self.store.release_owned(ip, &entry.parent).await {
+                    Ok(()) => {
+                        debug!(%ip, service = %entry.parent, "released an address the apiserver never recorded (the request failed)");
+                        result.released.push(ip);
+                        true
+                    }
+                    Err(StoreError::NotOwner { .. }) => true,
+                    Err(e) => {
+                        warn!(%ip, error = %e, "could not release an address whose request failed; trying again");
+                        false
+                    }
+                },
+                Err(e) => {
+                    warn!(%ip, error = %e, "could not check whether an answered address was recorded; trying again");
+                    false
+                }
+            };
+            if done {
+                let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+                // Unless answered again meanwhile (a retry of the same Service).
+                if f.get(&ip).is_some_and(|e| e.since == entry.since) {
+                    f.remove(&ip);
+                }
+            }
+        }
+        result.waiting = self.in_flight();
+        result
     }
 
     /// A dynamic address that no IPAddress object holds yet. Candidates the cluster already
@@ -233,16 +375,22 @@ impl Admission {
         let namespace = req.namespace.clone().unwrap_or_else(|| "default".into());
         let parent = ParentRef::service(&namespace, &service_name(req));
         let mut got: Vec<IpAddr> = Vec::new();
+        // What this request newly recorded (and gives back if it fails here).
+        let mut recorded_here: Vec<IpAddr> = Vec::new();
         for want in work.added() {
             let result = match *want {
-                Want::Static(ip) if self.recorded_elsewhere(ip) => Err((Some(ip), StoreError::Alloc(AllocError::Allocated))),
-                Want::Static(ip) => self.store.allocate(ip, Some(&parent)).await.map(|()| ip).map_err(|e| (Some(ip), e)),
-                Want::Dynamic(family) => self.allocate_dynamic(family, &parent).await.map_err(|e| (None, e)),
+                Want::Static(ip) => self.allocate_static(ip, &parent).await.map(|new| (ip, new)).map_err(|e| (Some(ip), e)),
+                Want::Dynamic(family) => self.allocate_dynamic(family, &parent).await.map(|ip| (ip, true)).map_err(|e| (None, e)),
             };
             match result {
-                Ok(ip) => got.push(ip),
+                Ok((ip, new)) => {
+                    got.push(ip);
+                    if new {
+                        recorded_here.push(ip);
+                    }
+                }
                 Err((ip, err)) => {
-                    self.rollback(&got).await;
+                    self.rollback(&recorded_here, &parent).await;
                     return match ip {
                         Some(ip) => static_failure(req, &requested, ip, &err),
                         None => {
@@ -276,23 +424,26 @@ impl Admission {
         let patch: json_patch::Patch = match serde_json::from_value(serde_json::Value::Array(ops)) {
             Ok(p) => p,
             Err(e) => {
-                self.rollback(&got).await;
+                self.rollback(&recorded_here, &parent).await;
                 return AdmissionResponse::from(req).deny(format!("internal error building the patch: {e}"));
             }
         };
         debug!(service = %parent, ips = %ips.join(","), "assigned ClusterIPs");
         match AdmissionResponse::from(req).with_patch(patch) {
-            Ok(resp) => resp,
+            Ok(resp) => {
+                self.answered(&got, &parent);
+                resp
+            }
             Err(e) => {
-                self.rollback(&got).await;
+                self.rollback(&recorded_here, &parent).await;
                 AdmissionResponse::from(req).deny(format!("internal error serializing the patch: {e}"))
             }
         }
     }
 
-    async fn rollback(&self, got: &[IpAddr]) {
+    async fn rollback(&self, got: &[IpAddr], parent: &ParentRef) {
         for ip in got {
-            if let Err(e) = self.store.release(*ip).await {
+            if let Err(e) = self.store.release_owned(*ip, parent).await {
                 warn!(%ip, error = %e, "could not release an address after a failed admission; repair will reclaim it");
             }
         }
@@ -456,6 +607,62 @@ mod tests {
         let patch = patched(&adm.mutate(&request("UPDATE", new, Some(old))).await);
         let ip: IpAddr = value(&patch, "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
         assert!(ServiceCidr::parse(V4).expect("v4").contains(ip));
+    }
+
+    /// Admission beside a fixed view of what the apiserver records (the view also answers
+    /// the storage reads).
+    fn admission_recording(recorded: &[&str]) -> (Admission, Arc<MemoryStore>) {
+        let store = Arc::new(MemoryStore::new(vec![ServiceCidr::parse(V4).expect("v4"), ServiceCidr::parse(V6).expect("v6")]));
+        let view = ApiserverIps::fixed(recorded.iter().map(|t| t.parse::<IpAddr>().expect("ip")));
+        (Admission::new(store.clone(), Some(view)).with_in_flight_limit(std::time::Duration::ZERO), store)
+    }
+
+    #[tokio::test]
+    async fn a_requested_address_held_for_no_stored_service_is_the_requesters() {
+        let (adm, store) = admission_recording(&["198.19.0.8"]);
+        // Held in our records for a request that never became a stored Service.
+        store.allocate("198.19.0.7".parse().expect("ip"), Some(&ParentRef::service("default", "failed"))).await.expect("leftover");
+        let svc = service(json!({"clusterIP": "198.19.0.7", "ports": [{"port": 80}]}), json!({}));
+        assert!(adm.mutate(&request("CREATE", svc, None)).await.allowed, "a leftover record refused the address");
+        // Recorded by the apiserver: a stored Service holds it.
+        store.allocate("198.19.0.8".parse().expect("ip"), None).await.expect("record");
+        let svc = service(json!({"clusterIP": "198.19.0.8", "ports": [{"port": 80}]}), json!({}));
+        let resp = adm.mutate(&request("CREATE", svc, None)).await;
+        assert_eq!(resp.result.code, 422);
+        assert!(resp.result.message.contains("provided IP is already allocated"), "{}", resp.result.message);
+        // Held by an owner other than a Service.
+        let gateway = ParentRef { group: "gateway.networking.k8s.io".into(), resource: "gateways".into(), namespace: Some("infra".into()), name: "edge".into() };
+        store.allocate("198.19.0.9".parse().expect("ip"), Some(&gateway)).await.expect("owned");
+        let svc = service(json!({"clusterIP": "198.19.0.9", "ports": [{"port": 80}]}), json!({}));
+        assert_eq!(adm.mutate(&request("CREATE", svc, None)).await.result.code, 422);
+    }
+
+    #[tokio::test]
+    async fn without_a_view_of_the_cluster_a_held_address_is_refused() {
+        // Nothing to judge the holder by: the records decide.
+        let (adm, store) = admission();
+        store.allocate("198.19.0.7".parse().expect("ip"), None).await.expect("held");
+        let svc = service(json!({"clusterIP": "198.19.0.7", "ports": [{"port": 80}]}), json!({}));
+        assert_eq!(adm.mutate(&request("CREATE", svc, None)).await.result.code, 422);
+    }
+
+    #[tokio::test]
+    async fn answers_the_apiserver_never_records_are_released_and_recorded_ones_settle() {
+        let (adm, store) = admission_recording(&[]);
+        let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
+        let ip: IpAddr = value(&patched(&resp), "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
+        assert_eq!(adm.in_flight(), 1);
+        let swept = adm.sweep_in_flight().await;
+        assert_eq!(swept.released, vec![ip]);
+        assert!(!store.has(ip).await.expect("has"), "never recorded, yet still held");
+        // Within the limit, an answer is kept waiting (its request may still be stored).
+        let (adm, store) = admission_recording(&[]);
+        let adm = adm.with_in_flight_limit(std::time::Duration::from_secs(3600));
+        let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
+        let ip: IpAddr = value(&patched(&resp), "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
+        let swept = adm.sweep_in_flight().await;
+        assert_eq!((swept.released.len(), swept.waiting), (0, 1), "{swept:?}");
+        assert!(store.has(ip).await.expect("has"));
     }
 
     #[tokio::test]

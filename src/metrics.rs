@@ -16,10 +16,11 @@
 //! | `clusterip_reconcile_errors_total` | counter | controller |
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
 //! | `clusterip_repair_reconcile_errors_total` | counter | |
+//! | `leader_election_master_status` | gauge | name (the leader Lease): 1 while this replica leads and runs the reconcilers, else 0 — Kubernetes' own name, unprefixed, as client-go reports it |
 
 use std::time::Duration;
 
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -60,6 +61,11 @@ pub struct RepairLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NameLabels {
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
     pub controller: &'static str,
 }
@@ -67,6 +73,9 @@ pub struct ControllerLabels {
 /// The controller's metrics and their registry.
 pub struct Metrics {
     registry: Registry,
+    /// Metrics under Kubernetes' own names (no prefix): those client-go libraries report.
+    kubernetes: Registry,
+    pub leader_election_master_status: Family<NameLabels, Gauge>,
     pub allocated_ips: Family<CidrLabels, Gauge>,
     pub available_ips: Family<CidrLabels, Gauge>,
     pub pooled_ips: Family<CidrLabels, Gauge>,
@@ -97,6 +106,8 @@ impl Metrics {
     pub fn new() -> Self {
         let mut m = Self {
             registry: Registry::with_prefix("clusterip"),
+            kubernetes: Registry::default(),
+            leader_election_master_status: Family::default(),
             allocated_ips: Family::default(),
             available_ips: Family::default(),
             pooled_ips: Family::default(),
@@ -155,6 +166,11 @@ impl Metrics {
             m.repair_ip_errors.clone(),
         );
         repair.register("reconcile_errors", "Number of reconciliation failures on the clusterip repair reconcile loop", m.repair_reconcile_errors.clone());
+        m.kubernetes.register(
+            "leader_election_master_status",
+            "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease. Please make sure to group by name.",
+            m.leader_election_master_status.clone(),
+        );
         m
     }
 
@@ -184,6 +200,11 @@ impl Metrics {
         self.allocation_duration.get_or_create(&CidrLabels { cidr: cidr.to_string() }).observe(d.as_secs_f64());
     }
 
+    /// Whether this replica leads for the Lease `name` (and runs the reconcilers).
+    pub fn set_leading(&self, name: &str, leading: bool) {
+        self.leader_election_master_status.get_or_create(&NameLabels { name: name.to_string() }).set(i64::from(leading));
+    }
+
     pub fn set_usage(&self, cidr: &str, used: u64, free: u64, pooled: u64) {
         let l = CidrLabels { cidr: cidr.to_string() };
         self.pooled_ips.get_or_create(&l).set(i64::try_from(pooled).unwrap_or(i64::MAX));
@@ -195,7 +216,9 @@ impl Metrics {
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = encode(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.kubernetes);
+        let _ = encode_eof(&mut out);
         out
     }
 }
@@ -241,4 +264,22 @@ pub async fn serve(
     // Serves for as long as the process runs (through the shutdown drain: /readyz must answer).
     let (_never, stop) = tokio::sync::watch::channel(false);
     crate::serve::serve(listener, server, stop, std::time::Duration::ZERO).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_leader_gauge_has_kubernetes_name_and_one_eof() {
+        let m = Metrics::new();
+        m.set_leading("kube-system/clusterip-controller", true);
+        let text = m.encode();
+        assert!(text.contains("\nleader_election_master_status{name=\"kube-system/clusterip-controller\"} 1\n"), "{text}");
+        assert!(text.contains("clusterip_repair_reconcile_errors_total"), "{text}");
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        m.set_leading("kube-system/clusterip-controller", false);
+        assert!(m.encode().contains("\nleader_election_master_status{name=\"kube-system/clusterip-controller\"} 0\n"));
+    }
 }

@@ -11,7 +11,8 @@ use tokio::net::TcpListener;
 use tracing::info;
 
 use crate::controller::events::ServiceEvents;
-use crate::controller::leader::{self, LeaseConfig};
+use crate::controller::leader::{self, ElectionConfig};
+use crate::controller::supervise::{self, Ended};
 use crate::controller::{servicecidrs, services};
 use crate::metrics::Metrics;
 use crate::repair::{self, Repairer, Target};
@@ -108,7 +109,8 @@ pub struct ControllerArgs {
     pub metrics_bind_address: SocketAddr,
 
     /// Run the reconcilers only while holding the leader Lease (every replica serves the
-    /// webhook either way). Turn off only for a single replica.
+    /// webhook either way). Turn off only for a single replica. If the election itself fails
+    /// (a bug), the reconcilers are stopped and the process exits with status 1.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub leader_elect: bool,
 
@@ -124,11 +126,22 @@ pub struct ControllerArgs {
     #[arg(long, env = "POD_NAME")]
     pub leader_elect_identity: Option<String>,
 
-    /// How long a Lease stays valid without renewal, e.g. 15s.
+    /// How long a replica that does not lead waits, after the last change it saw to the
+    /// Lease, before it takes the Lease over (measured on its own clock, never by the
+    /// timestamps in the Lease). The longest a crashed leader's reconcilers stay without a
+    /// successor. Whole seconds, greater than the renew deadline; e.g. 15s.
     #[arg(long, default_value = "15s", value_parser = crate::store::etcd::parse_duration)]
     pub leader_elect_lease_duration: std::time::Duration,
 
-    /// How often the leader renews the Lease (and others try to take it), e.g. 2s.
+    /// How long the leader keeps leading when it cannot renew the Lease (apiserver
+    /// unreachable, requests hanging): once its last successful renewal is this old, it stops
+    /// its reconcilers and becomes a candidate again, before anyone else may take over.
+    /// Greater than 1.2 × the retry period, less than the lease duration; e.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = crate::store::etcd::parse_duration)]
+    pub leader_elect_renew_deadline: std::time::Duration,
+
+    /// How often the leader renews the Lease, and the others look at it (they add up to 20%
+    /// jitter), e.g. 2s.
     #[arg(long, default_value = "2s", value_parser = crate::store::etcd::parse_duration)]
     pub leader_elect_retry_period: std::time::Duration,
 
@@ -167,6 +180,17 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let client_auth = tls::ClientAuth::new(args.client_ca_file.clone(), args.allowed_client_names.clone()).map_err(anyhow::Error::msg)?;
     let tls = tls::server_config(args.tls_cert_file.clone(), args.tls_private_key_file.clone(), client_auth).map_err(anyhow::Error::msg)?;
     let identity = args.leader_elect_identity.clone().unwrap_or_else(default_identity);
+    let election = ElectionConfig {
+        namespace: args.leader_elect_namespace.clone(),
+        name: args.leader_elect_lease_name.clone(),
+        identity: identity.clone(),
+        lease_duration: args.leader_elect_lease_duration,
+        renew_deadline: args.leader_elect_renew_deadline,
+        retry_period: args.leader_elect_retry_period,
+    };
+    if args.leader_elect {
+        election.validate().map_err(anyhow::Error::msg)?;
+    }
 
     // What the cluster already records (the kube-apiserver's own allocations included):
     // never handed out, and recorded in our backend so the two agree.
@@ -279,40 +303,70 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
             })
         }
     };
-    let _reconcile = if args.leader_elect {
-        let (tx, mut leading) = tokio::sync::watch::channel(false);
-        let cfg = LeaseConfig {
-            namespace: args.leader_elect_namespace.clone(),
-            name: args.leader_elect_lease_name.clone(),
-            identity,
-            duration: args.leader_elect_lease_duration,
-            renew: args.leader_elect_retry_period,
+    let mut signals = Signals::new()?;
+    // Leader election: the reconcilers run exactly while we lead (supervise.rs). The election
+    // has a client of its own, so its requests never queue behind the watches'.
+    let lease_name = format!("{}/{}", election.namespace, election.name);
+    let (mut elected, stop_election, _unelected) = if args.leader_elect {
+        let election_client = super::backend::kube_client(args.backend.kubeconfig.as_deref()).await?;
+        let (tx, leading) = tokio::sync::watch::channel(false);
+        let (stop_election, stopped) = tokio::sync::watch::channel(false);
+        let api = kube::Api::namespaced(election_client, &election.namespace);
+        let task = tokio::spawn(leader::run(api, election, tx, stopped));
+        metrics.set_leading(&lease_name, false);
+        (Some((task, leading)), Some(stop_election), None)
+    } else {
+        (None, None, Some(reconcilers()))
+    };
+    let report = |lead: bool| {
+        metrics.set_leading(&lease_name, lead);
+        if lead {
+            info!(lease = %lease_name, identity = %identity, leading = true, "leadership changed: reconcilers started");
+        } else {
+            info!(lease = %lease_name, identity = %identity, leading = false, "leadership changed: reconcilers stopped");
+        }
+    };
+    let mut mon = tokio::spawn(crate::metrics::serve(metrics_listener, metrics.clone(), store.clone(), draining.clone()));
+    // Until a signal: the reconcilers follow the election; a dead election, webhook or metrics
+    // server ends the process (with the reconcilers stopped first).
+    let which = {
+        let stopping = async {
+            tokio::select! {
+                r = &mut web => Err(anyhow::anyhow!("webhook server stopped: {}", r.unwrap_or_else(|_| "its thread panicked".into()))),
+                r = &mut mon => Err(match r {
+                    Ok(()) => anyhow::anyhow!("metrics server stopped"),
+                    Err(e) => anyhow::anyhow!("metrics server stopped: {e}"),
+                }),
+                which = signals.next() => Ok(which),
+            }
         };
-        let election = tokio::spawn(leader::run(client.clone(), cfg, tx));
-        let runner = tokio::spawn(async move {
-            let mut running: Option<tokio::task::JoinHandle<()>> = None;
-            while leading.changed().await.is_ok() {
-                let lead = *leading.borrow();
-                match (lead, running.take()) {
-                    (true, None) => running = Some(reconcilers()),
-                    (true, Some(r)) => running = Some(r),
-                    (false, Some(r)) => r.abort(),
-                    (false, None) => {}
+        match elected.as_mut() {
+            Some((task, leading)) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let stopping = async move {
+                    let _ = tx.send(stopping.await);
+                };
+                match supervise::supervise(task, leading.clone(), &reconcilers, report, stopping).await {
+                    Ended::Shutdown => rx.await.unwrap_or_else(|_| Err(anyhow::anyhow!("shutdown signal lost")))?,
+                    Ended::Election(why) => {
+                        tracing::error!(lease = %lease_name, "{why}; the reconcilers are stopped; exiting so that the pod is restarted");
+                        return Ok(1);
+                    }
                 }
             }
-        });
-        vec![election, runner]
-    } else {
-        vec![reconcilers()]
+            None => stopping.await?,
+        }
     };
-    let mut mon = tokio::spawn(crate::metrics::serve(metrics_listener, metrics, store.clone(), draining.clone()));
-    let mut signals = Signals::new()?;
-    tokio::select! {
-        r = &mut web => anyhow::bail!("webhook server stopped: {}", r.unwrap_or_else(|_| "its thread panicked".into())),
-        r = &mut mon => r.context("metrics server stopped")?,
-        which = signals.next() => info!(signal = which, delay = ?args.shutdown_delay_duration, "shutting down: /readyz reports 503; serving on until the delay has passed"),
-    }
+    info!(signal = which, delay = ?args.shutdown_delay_duration, "shutting down: /readyz reports 503; serving on until the delay has passed");
     draining.store(true, Ordering::SeqCst);
+    // The reconcilers are stopped (supervise returned): hand the Lease over at once
+    // (client-go's ReleaseOnCancel), while the webhook serves on through the delay.
+    if let (Some(stop), Some((task, _))) = (stop_election, elected.as_mut()) {
+        let _ = stop.send(true);
+        if tokio::time::timeout(args.leader_elect_renew_deadline, task).await.is_err() {
+            tracing::warn!(lease = %lease_name, "the leader election did not stop within the renew deadline; another replica takes over once the Lease expires");
+        }
+    }
     // Keep serving while the webhook Service's endpoints drop this replica (a second signal
     // cuts the wait short).
     tokio::select! {

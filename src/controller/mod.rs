@@ -4,9 +4,12 @@
 //!   Kubernetes' reasons;
 //! - [`servicecidrs`]: the ServiceCIDR finalizer and Ready condition;
 //! - [`leader`]: a coordination.k8s.io Lease so one replica writes while every replica
-//!   serves the webhook.
+//!   serves the webhook;
+//! - [`supervise`]: runs the loops above exactly while the election says we lead, and stops
+//!   them when it does not (or when the election task is gone).
 
 pub mod events;
 pub mod leader;
 pub mod servicecidrs;
 pub mod services;
+pub mod supervise;

@@ -31,8 +31,46 @@ use clusterip::cidr::ServiceCidr;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
 use controller_common::Controller;
 
-const OUR_V4: &str = "198.19.120.0/22";
-const OUR_V6: &str = "fd00:10:96::c000/118";
+/// The addresses one backend's run uses: our ranges (the webhook's), and the stock side's
+/// static addresses; both runs go on side by side, so nothing is shared.
+struct Layout {
+    backend: &'static str,
+    our_v4: &'static str,
+    our_v6: &'static str,
+    /// Our side: network, broadcast, IPv6 network, IPv6 all-ones, and an address in the
+    /// apiserver's range outside ours.
+    ours_fixed: [&'static str; 5],
+    stock_v4_base: &'static str,
+    stock_v6_base: &'static str,
+    /// The stock side's address in the apiserver's range (the counterpart of ours_fixed[4]).
+    stock_out: &'static str,
+}
+
+const ETCD: Layout = Layout {
+    backend: "etcd",
+    our_v4: "198.19.120.0/22",
+    our_v6: "fd00:10:96::c000/118",
+    ours_fixed: ["198.19.120.0", "198.19.123.255", "fd00:10:96::c000", "fd00:10:96::c3ff", "198.19.125.7"],
+    stock_v4_base: "198.19.124.0",
+    stock_v6_base: "fd00:10:96::c400",
+    stock_out: "198.19.126.7",
+};
+
+const IPADDRESS: Layout = Layout {
+    backend: "ipaddress",
+    our_v4: "198.19.136.0/22",
+    our_v6: "fd00:10:96::d000/118",
+    ours_fixed: ["198.19.136.0", "198.19.139.255", "fd00:10:96::d000", "fd00:10:96::d3ff", "198.19.141.7"],
+    stock_v4_base: "198.19.140.0",
+    stock_v6_base: "fd00:10:96::d400",
+    stock_out: "198.19.142.7",
+};
+
+impl Layout {
+    fn our_ranges(&self) -> [ServiceCidr; 2] {
+        [ServiceCidr::parse(self.our_v4).expect("v4"), ServiceCidr::parse(self.our_v6).expect("v6")]
+    }
+}
 
 /// The address values of one side.
 struct Side {
@@ -46,6 +84,8 @@ struct Side {
     /// Network, broadcast, IPv6 network and all-ones addresses of this side's range, and an
     /// address in the apiserver's range outside ours.
     fixed: [(&'static str, String); 5],
+    /// Our ranges (only the webhook side's dynamic addresses must come from them).
+    ours: Option<[ServiceCidr; 2]>,
 }
 
 impl Side {
@@ -58,6 +98,7 @@ impl Side {
             next6: 1,
             tokens: BTreeMap::new(),
             fixed,
+            ours: None,
         }
     }
 
@@ -276,7 +317,7 @@ fn outcome(side: &Side, code: u16, body: &Value, ours: bool, dry_run: bool) -> O
     let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
     if (200..300).contains(&code) {
         let spec = &body["spec"];
-        let ranges = [ServiceCidr::parse(OUR_V4).expect("v4"), ServiceCidr::parse(OUR_V6).expect("v6")];
+        let ranges = side.ours.clone().unwrap_or_else(|| ETCD.our_ranges());
         let ips = spec["clusterIPs"]
             .as_array()
             .map(|a| a.iter().map(s).collect::<Vec<_>>())
@@ -405,16 +446,16 @@ struct Webhook {
 }
 
 impl Webhook {
-    async fn start(cp: &ControlPlane) -> Webhook {
+    async fn start(cp: &ControlPlane, layout: &Layout) -> Webhook {
         let client = cp.client().await;
-        let name = unique_name("fidelity");
+        let name = unique_name(&format!("fidelity-{}", layout.backend));
         let pki = cp.dir().join("pki");
         let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
         let mut args: Vec<String> = [
             "--backend",
-            "etcd",
+            layout.backend,
             "--service-cidr",
-            &format!("{OUR_V4},{OUR_V6}"),
+            &format!("{},{}", layout.our_v4, layout.our_v6),
             "--etcd-endpoints",
             &cp.etcd_endpoints().join(","),
             "--etcd-prefix",
@@ -463,7 +504,7 @@ impl Webhook {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", r#"{"clusterIP":"198.19.200.5"}"#))).await;
-            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {OUR_V4}")) {
+            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {}", layout.our_v4)) {
                 return wh;
             }
             assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s: {code} {body}");
@@ -513,34 +554,46 @@ async fn free_leftover(client: &Client, ip: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admission_answers_match_stock_kubernetes() {
+async fn etcd_backend_answers_match_stock_kubernetes() {
+    matches_stock(&ETCD).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipaddress_backend_answers_match_stock_kubernetes() {
+    matches_stock(&IPADDRESS).await;
+}
+
+/// One backend's run at a time: both stock sides ask for the apiserver's IPv6 all-ones
+/// address (the one fixed address stock allocates), and the later run frees the earlier
+/// one's holder first (`free_leftover`).
+static ONE_RUN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn matches_stock(layout: &Layout) {
+    let _one = ONE_RUN.lock().await;
     let cp = control_plane();
-    let wh = Webhook::start(&cp).await;
+    let wh = Webhook::start(&cp, layout).await;
     let client = wh.client.clone();
     let stock_ns = format!("{}-stock", wh.name);
     create_namespace(&client, &stock_ns, json!({})).await;
+    let base = |cidr: &str| cidr.split('/').next().unwrap_or_default().to_string();
+    let f = layout.ours_fixed;
     let mut ours = Side::new(
         wh.name.clone(),
-        "198.19.120.0",
-        "fd00:10:96::c000",
-        [
-            ("{NET}", "198.19.120.0".into()),
-            ("{BCAST}", "198.19.123.255".into()),
-            ("{NET6}", "fd00:10:96::c000".into()),
-            ("{ONES6}", "fd00:10:96::c3ff".into()),
-            ("{OUT}", "198.19.125.7".into()),
-        ],
+        &base(layout.our_v4),
+        &base(layout.our_v6),
+        [("{NET}", f[0].into()), ("{BCAST}", f[1].into()), ("{NET6}", f[2].into()), ("{ONES6}", f[3].into()), ("{OUT}", f[4].into())],
     );
+    ours.ours = Some(layout.our_ranges());
     let mut stock = Side::new(
         stock_ns,
-        "198.19.124.0",
-        "fd00:10:96::c400",
+        layout.stock_v4_base,
+        layout.stock_v6_base,
         [
             ("{NET}", "198.19.0.0".into()),
             ("{BCAST}", "198.19.255.255".into()),
             ("{NET6}", "fd00:10:96::".into()),
             ("{ONES6}", "fd00:10:96::ffff".into()),
-            ("{OUT}", "198.19.126.7".into()),
+            ("{OUT}", layout.stock_out.into()),
         ],
     );
     for ip in ours.statics().into_iter().chain(stock.statics()) {
@@ -562,9 +615,9 @@ async fn admission_answers_match_stock_kubernetes() {
             (false, None) => unexpected.push(format!("{}:\n  stock: {want:?}\n  ours:  {got:?}", case.name)),
         }
     }
-    eprintln!("fidelity: {matched}/{} cases match stock Kubernetes", cases.len());
+    eprintln!("fidelity ({} backend): {matched}/{} cases match stock Kubernetes", layout.backend, cases.len());
     for d in &deliberate {
-        eprintln!("fidelity: deliberate difference: {d}");
+        eprintln!("fidelity ({} backend): deliberate difference: {d}", layout.backend);
     }
     assert!(unexpected.is_empty(), "unexpected differences from stock Kubernetes:\n{}", unexpected.join("\n"));
 }

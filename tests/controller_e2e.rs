@@ -21,7 +21,7 @@ use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::Client;
 use serde_json::json;
 
-use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use clusterip_test_support::{block_on_drop, control_plane, free_leftover, unique_name, ControlPlane};
 use controller_common::Controller;
 
 /// The ranges one test's controllers assign from: slice `k` of our ranges, 198.19.8k.0/21
@@ -163,17 +163,13 @@ impl Drop for Webhook {
         }
         // Unregister and clean up from a fresh runtime (Drop cannot await).
         let (client, name) = (self.client.clone(), self.name.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-            rt.block_on(async move {
-                let dp = DeleteParams::default();
-                let _ = Api::<MutatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
-                let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
-                let _ = Api::<Service>::namespaced(client.clone(), &name).delete_collection(&dp, &ListParams::default()).await;
-                let _ = Api::<Namespace>::all(client).delete(&name, &dp).await;
-            });
-        })
-        .join();
+        block_on_drop(async move {
+            let dp = DeleteParams::default();
+            let _ = Api::<MutatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+            let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+            let _ = Api::<Service>::namespaced(client.clone(), &name).delete_collection(&dp, &ListParams::default()).await;
+            let _ = Api::<Namespace>::all(client).delete(&name, &dp).await;
+        });
     }
 }
 
@@ -731,7 +727,7 @@ async fn service_reconciler_records_reports_and_releases() {
     let api: Api<Service> = Api::namespaced(wh.client.clone(), "default");
     let name = unique_name("unrecorded");
     let ip = slice.v4_static(123);
-    free_leftover(&wh.client, ip, "unrecorded-").await;
+    free_leftover(&wh.client, &ip.to_string(), |p| p.name.starts_with("unrecorded-")).await;
     let _cleanup = DeleteOnDrop(api.clone(), name.clone());
     api.create(&PostParams::default(), &service(&name, |s| s.cluster_ip = Some(ip.to_string()))).await.expect("create outside the webhook's namespaces");
     let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
@@ -753,7 +749,7 @@ async fn service_reconciler_records_reports_and_releases() {
         if recorded && reported {
             break;
         }
-        assert!(Instant::now() < deadline, "within 120s: recorded={recorded}, event reported={reported}");
+        assert!(Instant::now() < deadline, "within 120s: recorded={recorded}, event reported={reported}; the controller's log:\n{}", wh.children[0].log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     api.delete(&name, &DeleteParams::default()).await.expect("delete");
@@ -770,32 +766,12 @@ struct DeleteOnDrop(Api<Service>, String);
 impl Drop for DeleteOnDrop {
     fn drop(&mut self) {
         let (api, name) = (self.0.clone(), self.1.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-            rt.block_on(async move {
-                let _ = api.delete(&name, &DeleteParams::default()).await;
-            });
-        })
-        .join();
+        block_on_drop(async move {
+            let _ = api.delete(&name, &DeleteParams::default()).await;
+        });
     }
 }
 
-/// `ip` free in the apiserver before a test takes it statically: a Service named
-/// `<prefix>…` holding it (an earlier run of the same test that died before cleaning up) is
-/// deleted; anyone else holding it fails the test with who it is.
-async fn free_leftover(client: &Client, ip: IpAddr, prefix: &str) {
-    use k8s_openapi::api::networking::v1::IPAddress;
-    let addrs: Api<IPAddress> = Api::all(client.clone());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while let Some(rec) = addrs.get_opt(&ip.to_string()).await.expect("read IPAddress") {
-        let p = rec.spec.parent_ref;
-        let ns = p.namespace.unwrap_or_default();
-        assert!(p.resource == "services" && p.name.starts_with(prefix), "{ip} is held by {}/{ns}/{}", p.resource, p.name);
-        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
-        assert!(Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// The real kube-apiserver presents its client certificate (every other test here passes
 /// only because it does); a webhook that does not accept it — the right CA, another name —

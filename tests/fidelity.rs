@@ -28,7 +28,7 @@ use kube::Client;
 use serde_json::{json, Value};
 
 use clusterip::cidr::ServiceCidr;
-use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use clusterip_test_support::{block_on_drop, control_plane, free_leftover, unique_name, ControlPlane};
 use controller_common::Controller;
 
 /// The addresses one backend's run uses: our ranges (the webhook's), and the stock side's
@@ -516,19 +516,15 @@ impl Webhook {
 impl Drop for Webhook {
     fn drop(&mut self) {
         let (client, name) = (self.client.clone(), self.name.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-            rt.block_on(async move {
-                let dp = DeleteParams::default();
-                let _ = Api::<MutatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
-                let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
-                for ns in [name.clone(), format!("{name}-stock")] {
-                    let _ = Api::<Service>::namespaced(client.clone(), &ns).delete_collection(&dp, &ListParams::default()).await;
-                    let _ = Api::<Namespace>::all(client.clone()).delete(&ns, &dp).await;
-                }
-            });
-        })
-        .join();
+        block_on_drop(async move {
+            let dp = DeleteParams::default();
+            let _ = Api::<MutatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+            let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+            for ns in [name.clone(), format!("{name}-stock")] {
+                let _ = Api::<Service>::namespaced(client.clone(), &ns).delete_collection(&dp, &ListParams::default()).await;
+                let _ = Api::<Namespace>::all(client.clone()).delete(&ns, &dp).await;
+            }
+        });
     }
 }
 
@@ -537,21 +533,6 @@ async fn create_namespace(client: &Client, name: &str, labels: Value) {
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create namespace");
 }
 
-/// `ip` free before the run: a Service named `fid-…` holding it (an earlier run that died
-/// before cleaning up, on a reused cluster) is deleted; anyone else holding it fails the test.
-async fn free_leftover(client: &Client, ip: &str) {
-    use k8s_openapi::api::networking::v1::IPAddress;
-    let addrs: Api<IPAddress> = Api::all(client.clone());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") {
-        let p = rec.spec.parent_ref;
-        let ns = p.namespace.unwrap_or_default();
-        assert!(p.resource == "services" && p.name.starts_with("fid-"), "{ip} is held by {}/{ns}/{}", p.resource, p.name);
-        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
-        assert!(Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_backend_answers_match_stock_kubernetes() {
@@ -597,7 +578,8 @@ async fn matches_stock(layout: &Layout) {
         ],
     );
     for ip in ours.statics().into_iter().chain(stock.statics()) {
-        free_leftover(&client, &ip).await;
+        // A Service named `fid-…` holding it is an earlier run's (on a reused cluster).
+        free_leftover(&client, &ip, |p| p.name.starts_with("fid-")).await;
     }
     let cases = cases();
     let (mut matched, mut unexpected, mut deliberate) = (0, Vec::new(), Vec::new());

@@ -21,7 +21,7 @@ use clusterip::repair::{Action, Repairer, Target};
 use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
 use clusterip::store::{AllocationStore, ParentRef};
-use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use clusterip_test_support::{block_on_drop, control_plane, free_leftover, unique_name, ControlPlane};
 use controller_common::{metric, Controller};
 use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
@@ -52,7 +52,8 @@ impl Ns {
     /// its clean-up, against a reused cluster) is freed first.
     async fn service(&self, name: &str, ips: &[&str]) -> Service {
         for addr in ips {
-            free_leftover(&self.client, addr).await;
+            // Held by a Service of this file's namespaces (`repair-…`): an earlier run's.
+            free_leftover(&self.client, addr, |p| p.namespace.as_deref().is_some_and(|ns| ns.starts_with("repair-"))).await;
         }
         let mut spec = json!({"ports": [{"port": 80}], "clusterIP": ips[0], "clusterIPs": ips});
         if ips.len() == 2 {
@@ -64,33 +65,14 @@ impl Ns {
     }
 }
 
-/// Delete the Service holding `addr` if it lives in a namespace of this file's tests
-/// (`repair-…`); anyone else holding it fails the test with who it is.
-async fn free_leftover(client: &kube::Client, addr: &str) {
-    let addrs: Api<IPAddress> = Api::all(client.clone());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while let Some(rec) = addrs.get_opt(addr).await.expect("read IPAddress") {
-        let p = rec.spec.parent_ref;
-        let ns = p.namespace.unwrap_or_default();
-        assert!(p.resource == "services" && ns.starts_with("repair-"), "{addr} is held by {}/{ns}/{}, not by an earlier run of this file", p.resource, p.name);
-        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
-        assert!(Instant::now() < deadline, "{addr} still held 60s after deleting the leftover {ns}/{}", p.name);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 impl Drop for Ns {
     fn drop(&mut self) {
         let (client, name) = (self.client.clone(), self.name.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-            rt.block_on(async move {
-                let dp = DeleteParams::default();
-                let _ = Api::<Service>::namespaced(client.clone(), &name).delete_collection(&dp, &ListParams::default()).await;
-                let _ = Api::<Namespace>::all(client).delete(&name, &dp).await;
-            });
-        })
-        .join();
+        block_on_drop(async move {
+            let dp = DeleteParams::default();
+            let _ = Api::<Service>::namespaced(client.clone(), &name).delete_collection(&dp, &ListParams::default()).await;
+            let _ = Api::<Namespace>::all(client).delete(&name, &dp).await;
+        });
     }
 }
 

@@ -18,7 +18,7 @@ use clusterip::cidr::ServiceCidr;
 use clusterip::store::apiserver_ips::ApiserverIps;
 use clusterip::store::reservations::{lease_name, LeaseReservations, ReservationOptions};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
-use clusterip_test_support::{control_plane, unique_name};
+use clusterip_test_support::{block_on_drop, control_plane, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
@@ -131,13 +131,9 @@ impl Fixture {
 impl Drop for Fixture {
     fn drop(&mut self) {
         let (client, ns) = (self.client.clone(), self.ns.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-            rt.block_on(async move {
-                let _ = Api::<Namespace>::all(client).delete(&ns, &DeleteParams::default()).await;
-            });
-        })
-        .join();
+        block_on_drop(async move {
+            let _ = Api::<Namespace>::all(client).delete(&ns, &DeleteParams::default()).await;
+        });
     }
 }
 

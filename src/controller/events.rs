@@ -3,7 +3,7 @@
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::Resource;
-use tracing::debug;
+use tracing::warn;
 
 /// Who reports our Events.
 pub const REPORTER: &str = "clusterip-controller";
@@ -23,7 +23,7 @@ impl ServiceEvents {
         let reference: ObjectReference = svc.object_ref(&());
         let ev = Event { type_: EventType::Warning, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
         if let Err(e) = self.recorder.publish(&ev, &reference).await {
-            debug!(error = %e, reason, "could not publish an Event");
+            warn!(error = %e, reason, service = ?reference.name, "could not publish an Event");
         }
     }
 }

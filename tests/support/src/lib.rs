@@ -278,3 +278,36 @@ pub fn proc_start_time(pid: u32) -> Option<u64> {
 pub fn process_alive(pid: u32, start: u64) -> bool {
     proc_start_time(pid) == Some(start)
 }
+
+/// Run `cleanup` to completion from a `Drop` (which cannot await): on a thread of its own
+/// with a runtime of its own, waited for, so a test that fails still leaves nothing behind
+/// for the next run. Errors inside are the cleanup's to ignore.
+pub fn block_on_drop<F>(cleanup: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let _ = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(cleanup);
+    })
+    .join();
+}
+
+/// Make `ip` free in the apiserver before a test takes it statically: a Service holding it
+/// that `is_leftover` recognises (an earlier run of the same test that died before cleaning
+/// up) is deleted; anyone else holding it fails the test, naming the holder.
+pub async fn free_leftover(client: &kube::Client, ip: &str, is_leftover: impl Fn(&k8s_openapi::api::networking::v1::ParentReference) -> bool) {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::networking::v1::IPAddress;
+    use kube::api::{Api, DeleteParams};
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") {
+        let p = rec.spec.parent_ref;
+        let ns = p.namespace.clone().unwrap_or_default();
+        assert!(p.resource == "services" && is_leftover(&p), "{ip} is held by {}/{ns}/{}, not by an earlier run of this test", p.resource, p.name);
+        let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
+        assert!(std::time::Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

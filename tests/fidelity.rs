@@ -161,6 +161,8 @@ enum Step {
     Patches(&'static [&'static str]),
     /// A holder created with the case's addresses gives them up with `patch`, then the case.
     AfterHolderPatched(&'static str, &'static str),
+    /// A create with `metadata.generateName` instead of a name.
+    GenerateName,
 }
 
 struct Case {
@@ -237,6 +239,8 @@ fn cases() -> Vec<Case> {
         c("externalname-and-back-same-ip", r#"{"clusterIP":"{A}"}"#, Patches(&[EXTERNAL_NAME, r#"{"type":"ClusterIP","externalName":null,"clusterIP":"{A}"}"#])),
         c("externalname-and-back-new-ip", r#"{"clusterIP":"{A}"}"#, Patches(&[EXTERNAL_NAME, r#"{"type":"ClusterIP","externalName":null,"clusterIP":"{A2}"}"#])),
         c("externalname-and-back-dynamic", r#"{"clusterIP":"{A}"}"#, Patches(&[EXTERNAL_NAME, r#"{"type":"ClusterIP","externalName":null}"#])),
+        c("generate-name-dynamic", r#"{"ipFamilyPolicy":"PreferDualStack"}"#, GenerateName),
+        c("generate-name-static", r#"{"clusterIP":"{A}"}"#, GenerateName),
         c("taken-after-externalname", r#"{"clusterIP":"{A}"}"#, AfterHolderPatched(r#"{"clusterIP":"{A}"}"#, EXTERNAL_NAME)),
         c("taken-after-downgrade", r#"{"clusterIP":"{X}","ipFamilies":["IPv6"]}"#, AfterHolderPatched(r#"{"clusterIP":"{A}","clusterIPs":["{A}","{X}"],"ipFamilyPolicy":"RequireDualStack"}"#, r#"{"ipFamilyPolicy":"SingleStack","ipFamilies":["IPv4"],"clusterIPs":["{A}"]}"#)),
         // Deliberate differences.
@@ -387,6 +391,12 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             let (c, b) = send(client, req.create(&pp, service_body(&first, &side.fill_keep(failing)))).await;
             assert_eq!(c, 422, "{}: the failing create did not fail validation: {b}", case.name);
             let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            (c, b, false)
+        }
+        Step::GenerateName => {
+            let mut body: Value = serde_json::from_slice(&service_body(&name, &spec)).expect("body");
+            body["metadata"] = json!({"generateName": format!("{name}-")});
+            let (c, b) = send(client, req.create(&pp, serde_json::to_vec(&body).expect("json"))).await;
             (c, b, false)
         }
         Step::AfterDeletes(n) => {

@@ -336,7 +336,9 @@ impl LeaseReservations {
         // Confirm with a read from storage: the watch-fed view may lag behind a record.
         match self.addresses.get_opt(&ip.to_string()).await {
             Ok(None) => {
-                lock(&self.mine).insert(ip, Held { uid, parent: parent.cloned(), since });
+                // A parent without a name (a Service created with generateName, its name not
+                // yet chosen at admission) matches any.
+                lock(&self.mine).insert(ip, Held { uid, parent: parent.filter(|p| !p.name.is_empty()).cloned(), since });
                 Ok(true)
             }
             Ok(Some(_)) => {

@@ -373,7 +373,10 @@ impl Admission {
             };
         }
         let namespace = req.namespace.clone().unwrap_or_else(|| "default".into());
-        let parent = ParentRef::service(&namespace, &service_name(req));
+        // A Service created with generateName has no name yet: its parent is named "" (the
+        // apiserver chooses the name after admission), which stores match with any name.
+        let name = req.object.as_ref().and_then(|s| s.metadata.name.clone()).filter(|n| !n.is_empty()).unwrap_or_else(|| req.name.clone());
+        let parent = ParentRef::service(&namespace, &name);
         let mut got: Vec<IpAddr> = Vec::new();
         // What this request newly recorded (and gives back if it fails here).
         let mut recorded_here: Vec<IpAddr> = Vec::new();

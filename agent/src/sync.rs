@@ -96,6 +96,8 @@ pub fn run(
     let mut retry_at: Option<Instant> = None;
     let mut backoff = Duration::from_secs(1).min(cfg.sync_period);
     let mut last_verify = Instant::now();
+    // The dataplane has something to tidy (chains emptied by a rebuild): one more sync soon.
+    let mut cleanup_pending = false;
     loop {
         // Wait for work.
         let mut c = shared.lock();
@@ -111,7 +113,7 @@ pub fn run(
                 earliest = earliest.max(r);
             }
             let full_due = now >= next_full || retry_at.is_some_and(|r| now >= r);
-            let wanted = initialized && (c.state.has_changes() || full_due);
+            let wanted = initialized && (c.state.has_changes() || full_due || cleanup_pending);
             if wanted && now >= earliest {
                 break full_due;
             }
@@ -167,6 +169,7 @@ pub fn run(
                 }
                 retry_at = None;
                 backoff = Duration::from_secs(1).min(cfg.sync_period);
+                cleanup_pending = report.cleanup_pending;
                 let now = SystemTime::now();
                 for t in &changes.trigger_times {
                     if let Ok(d) = now.duration_since(*t) {

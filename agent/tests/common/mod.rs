@@ -397,6 +397,17 @@ impl Agent {
         assert!(!log.contains("sync failed"), "a sync failed:\n{log}");
     }
 
+    /// The agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kill the agent (SIGKILL: no shutdown path runs) and reap it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     pub fn stop(&mut self) {
         // SAFETY: signalling our own child process by its pid (SIGCONT in case it is paused).
         unsafe {

@@ -328,6 +328,11 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str]) -> Agent {
+        Self::start_with_env(node_ns, kubeconfig, proxy_name, extra, &[])
+    }
+
+    /// [`Agent::start`] with extra environment variables.
+    pub fn start_with_env(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let node_name = format!("node-{proxy_name}");
         // Spawned from the test's thread with PDEATHSIG: a killed test run kills its agents.
         let mut cmd = command(env!("CARGO_BIN_EXE_clusterip-agent"));
@@ -343,6 +348,7 @@ impl Agent {
         cmd.args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
+            .envs(env.iter().copied())
             .stdin(Stdio::null());
         let log = std::env::temp_dir().join(format!("clusterip-agent-test-{proxy_name}.log"));
         let file = std::fs::File::create(&log).expect("agent log file");

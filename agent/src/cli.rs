@@ -101,6 +101,11 @@ pub struct Args {
     /// seconds at 10k Services, hence its own period.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub verify_period: Duration,
+
+    /// Kill a dataplane tool (nft, iptables-restore, iptables-save, conntrack) still running
+    /// after this long; the sync that needed it fails and is retried with backoff.
+    #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+    pub tool_timeout: Duration,
 }
 
 /// Errors that stop the agent.
@@ -165,7 +170,8 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
     let exec = match &args.netns {
         Some(ns) => Executor::in_netns(ns)?,
         None => Executor::host(),
-    };
+    }
+    .with_timeout(args.tool_timeout);
     if args.cleanup {
         cleanup(&exec)?;
         tracing::info!("cleanup done");

@@ -144,16 +144,26 @@ impl ConntrackCleaner {
         out.into_iter().collect()
     }
 
-    /// Run the flushes; failures are logged and returned (they do not fail the sync).
+    /// Run the flushes; failures are logged and returned (they do not fail the sync, and
+    /// are not retried: the rules are right, only some stale UDP entries may remain, as
+    /// with kube-proxy). After a `conntrack` that timed out (killed), the remaining flushes
+    /// of this sync are not tried — each would likely hang as long — and count as failed.
     pub fn execute(exec: &Executor, flushes: &[Flush]) -> Vec<ExecError> {
         let mut errors = Vec::new();
-        for f in flushes {
+        for (i, f) in flushes.iter().enumerate() {
             let args = f.args();
             let argv: Vec<&str> = args.iter().map(String::as_str).collect();
             match exec.run("conntrack", &argv, None) {
                 Ok(_) => tracing::debug!(?f, "conntrack entries flushed"),
                 // conntrack exits 1 when nothing matched.
                 Err(ExecError::Failed { stderr, .. }) if stderr.contains("0 flow entries") => {}
+                Err(e @ ExecError::Timeout { .. }) => {
+                    let skipped = flushes.len() - i - 1;
+                    tracing::warn!(error = %e, ?f, skipped, "conntrack hung; the remaining flushes of this sync are skipped");
+                    errors.push(e);
+                    errors.extend(flushes[i + 1..].iter().map(|_| ExecError::Skipped { program: "conntrack".into() }));
+                    break;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, ?f, "conntrack flush failed");
                     errors.push(e);

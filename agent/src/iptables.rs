@@ -214,6 +214,19 @@ pub fn render_port(d: &DesiredPort, family: IpFamily, masquerade_all: bool, clus
     r
 }
 
+/// Prefixes of the chains kube-proxy's layout makes per Service port and endpoint.
+const SERVICE_CHAIN_PREFIXES: [&str; 6] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-SEP-", "KUBE-FW-", "KUBE-XLB-"];
+
+/// The per-Service chains declared in an `iptables-save` output.
+fn service_chains(save: &str) -> BTreeSet<String> {
+    save.lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
+        .map(str::to_string)
+        .collect()
+}
+
 fn full_mask(family: IpFamily) -> &'static str {
     match family {
         IpFamily::V4 => "255.255.255.255",
@@ -275,7 +288,19 @@ impl IptablesProxier {
         Ok(())
     }
 
+    /// The per-Service chains (`KUBE-SVC-*`, `KUBE-SEP-*`, …) in the kernel's nat table: at
+    /// start or after a failure the agent does not know which it made before (a Service
+    /// deleted while the agent was down, a sync that failed after forgetting a chain).
+    fn existing_service_chains(&self, family: IpFamily) -> Result<BTreeSet<String>, ExecError> {
+        let (_, save, _) = Self::tools(family);
+        let out = self.exec.run(save, &["-t", "nat"], None)?;
+        Ok(service_chains(&out))
+    }
+
     fn sync_family(&mut self, idx: usize, family: IpFamily, batch: &SyncBatch, full: bool) -> Result<(usize, usize), DataplaneError> {
+        // Adopt what is there: chains the agent does not want are flushed and deleted in
+        // the same restore that rewrites the rest.
+        let existing = if self.full_next { self.existing_service_chains(family)? } else { BTreeSet::new() };
         let (masq_all, cidrs) = (self.masquerade_all, self.cluster_cidrs.clone());
         let st = &mut self.families[idx];
         let mut changed_chains: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -326,6 +351,7 @@ impl IptablesProxier {
             }
         }
         let live: BTreeSet<&String> = st.ports.values().flat_map(|p| p.chains.keys()).collect();
+        gone_chains.extend(existing.into_iter().filter(|c| !changed_chains.contains_key(c)));
         gone_chains.retain(|c| !live.contains(c));
 
         // Top-level chains are written in full every time (KEP-3453).
@@ -535,6 +561,12 @@ mod tests {
         assert!(sep[0].contains("-j KUBE-MARK-MASQ"));
         assert!(sep[1].contains("-j DNAT --to-destination 198.18.2."));
         assert!(r.filter_services.is_empty());
+    }
+
+    #[test]
+    fn per_service_chains_are_found_in_a_save() {
+        let save = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-AAAA - [0:0]\n:KUBE-SEP-BBBB - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n-A KUBE-SERVICES -j KUBE-SVC-AAAA\nCOMMIT\n";
+        assert_eq!(service_chains(save), ["KUBE-SEP-BBBB".to_string(), "KUBE-SVC-AAAA".to_string()].into());
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub struct SyncReport {
     pub elements: usize,
     /// Time spent waiting for the kernel tools (`nft`, `iptables-restore`), in seconds.
     pub tool_seconds: f64,
+    /// Something is left to tidy that the next sync does (emptied chains to delete): the
+    /// loop runs one soon even without changes.
+    pub cleanup_pending: bool,
 }
 
 /// A dataplane.

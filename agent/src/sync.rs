@@ -96,6 +96,8 @@ pub fn run(
     let mut retry_at: Option<Instant> = None;
     let mut backoff = Duration::from_secs(1).min(cfg.sync_period);
     let mut last_verify = Instant::now();
+    // The dataplane has something to tidy (chains emptied by a rebuild): one more sync soon.
+    let mut cleanup_pending = false;
     loop {
         // Wait for work.
         let mut c = shared.lock();
@@ -111,7 +113,7 @@ pub fn run(
                 earliest = earliest.max(r);
             }
             let full_due = now >= next_full || retry_at.is_some_and(|r| now >= r);
-            let wanted = initialized && (c.state.has_changes() || full_due);
+            let wanted = initialized && (c.state.has_changes() || full_due || cleanup_pending);
             if wanted && now >= earliest {
                 break full_due;
             }
@@ -167,8 +169,9 @@ pub fn run(
                 }
                 retry_at = None;
                 backoff = Duration::from_secs(1).min(cfg.sync_period);
+                cleanup_pending = report.cleanup_pending;
                 let now = SystemTime::now();
-                for t in &changes.trigger_times {
+                for t in changes.trigger_times.values() {
                     if let Ok(d) = now.duration_since(*t) {
                         shared.metrics.network_programming_duration.observe(d.as_secs_f64());
                     }
@@ -340,11 +343,16 @@ mod tests {
     }
 
     fn start(fail_first: usize, min: Duration) -> Loop {
+        start_with(fail_first, min, Duration::from_secs(3600))
+    }
+
+    /// `start` with a sync period (which also caps the backoff after failures).
+    fn start_with(fail_first: usize, min: Duration, sync_period: Duration) -> Loop {
         let shared = Shared::new(ProxyState::new(NodeInfo::default(), None), ProxyHealth::new(Duration::from_secs(60)), Metrics::new());
         let calls: Calls = Arc::new(Mutex::new(Vec::new()));
         let gate = Arc::new(Gate::default());
         let fake = Fake { calls: calls.clone(), fail_first: Arc::new(AtomicUsize::new(fail_first)), gate: gate.clone() };
-        let cfg = SyncConfig { min_sync_period: min, sync_period: Duration::from_secs(3600), verify_period: None };
+        let cfg = SyncConfig { min_sync_period: min, sync_period, verify_period: None };
         let s = shared.clone();
         let thread = std::thread::spawn(move || run(s, Box::new(fake), Executor::host(), cfg, None));
         Loop { shared, calls, gate, thread }
@@ -389,6 +397,91 @@ mod tests {
         assert_eq!(summary, vec![(true, 1), (false, 50)], "the first sync is full with what was listed, then one sync for the 50 changes");
         let gap = c[1].start.duration_since(c[0].end);
         assert!(gap >= min, "the next sync started {gap:?} after the previous one ended, less than the min sync period {min:?}");
+    }
+
+    /// A dataplane whose tool hangs (`sleep 3600` for `nft`), run with a short timeout.
+    struct HungTool {
+        exec: Executor,
+        syncs: Arc<AtomicUsize>,
+    }
+
+    impl Proxier for HungTool {
+        fn sync(&mut self, _batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
+            self.syncs.fetch_add(1, Ordering::SeqCst);
+            self.exec.run("sleep", &["3600"], Some(b"add table ip clusterip\n"))?;
+            Ok(SyncReport::default())
+        }
+        fn verify(&mut self) -> Result<Vec<String>, DataplaneError> {
+            Ok(vec![])
+        }
+        fn cleanup(&mut self) -> Result<(), DataplaneError> {
+            Ok(())
+        }
+        fn mode(&self) -> &'static str {
+            "hung"
+        }
+    }
+
+    fn slice(svc: usize, generation: usize) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+        // A trigger time after the state was made (older ones are not counted).
+        let t = humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(1)).to_string();
+        serde_json::from_value(serde_json::json!({"metadata": {"name": format!("s{svc}-1"), "namespace": "n",
+            "labels": {"kubernetes.io/service-name": format!("s{svc}")},
+            "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": t}},
+            "addressType": "IPv4", "ports": [{"port": 8080}],
+            "endpoints": [{"addresses": [format!("198.18.{}.{}", 2 + generation / 250, generation % 250 + 1)]}]}))
+        .expect("slice")
+    }
+
+    #[test]
+    fn while_syncs_keep_failing_pending_state_stays_bounded() {
+        // Backoff capped at 1 s by the sync period: failures come quickly.
+        let l = start_with(usize::MAX, Duration::from_millis(1), Duration::from_secs(1));
+        let services = 5;
+        l.shared.update(|c| {
+            c.services_synced = true;
+            c.slices_synced = true;
+            (0..services).for_each(|i| {
+                c.state.apply_service(&svc(i));
+            });
+            true
+        });
+        // 2000 endpoint changes, spread over the 5 Services, arrive while every sync fails.
+        for g in 0..2000 {
+            l.shared.update(|c| c.state.apply_slice(&slice(g % services, g)));
+            if g % 500 == 0 {
+                let failed = l.shared.metrics.sync_failures.get();
+                wait("another failed sync", || l.shared.metrics.sync_failures.get() > failed);
+            }
+        }
+        let (changed, trigger_times) = l.shared.lock().state.pending();
+        let shared = l.shared.clone();
+        l.stop();
+        assert!(shared.metrics.sync_failures.get() >= 4, "syncs kept failing");
+        assert!(changed <= services && trigger_times <= services, "pending: {changed} Services, {trigger_times} trigger times (at most one per Service)");
+    }
+
+    #[test]
+    fn a_hung_tool_fails_the_sync_which_is_retried_with_backoff() {
+        let shared = Shared::new(ProxyState::new(NodeInfo::default(), None), ProxyHealth::new(Duration::from_secs(60)), Metrics::new());
+        let syncs = Arc::new(AtomicUsize::new(0));
+        let dataplane = HungTool { exec: Executor::host().with_timeout(Duration::from_millis(200)), syncs: syncs.clone() };
+        let cfg = SyncConfig { min_sync_period: Duration::from_millis(1), sync_period: Duration::from_secs(3600), verify_period: None };
+        let s = shared.clone();
+        let started = Instant::now();
+        let thread = std::thread::spawn(move || run(s, Box::new(dataplane), Executor::host(), cfg, None));
+        shared.update(|c| {
+            c.services_synced = true;
+            c.slices_synced = true;
+            c.state.apply_service(&svc(0))
+        });
+        wait("two failed syncs", || shared.metrics.sync_failures.get() >= 2);
+        let elapsed = started.elapsed();
+        shared.shutdown();
+        let _ = thread.join();
+        assert!(syncs.load(Ordering::SeqCst) >= 2, "the failed sync was retried");
+        // The retry waits for the backoff (1 s) after the first failure.
+        assert!(elapsed >= Duration::from_secs(1), "two attempts took {elapsed:?}, less than the 1 s backoff");
     }
 
     #[test]

@@ -108,6 +108,44 @@ fn huge_first_sync_is_split_into_bounded_transactions() {
 }
 
 #[test]
+fn a_new_agent_adopts_the_table_in_one_transaction_keeps_affinity_and_removes_what_is_gone() {
+    let ns = Netns::new("apply");
+    let exec = Executor::in_netns(&ns.name).expect("netns");
+    // A first agent programs 60 Services, one with ClientIP affinity; small transactions.
+    let services = |n: u32| -> Vec<_> {
+        let mut v: Vec<_> = (0..n).map(|i| service(&format!("s{i}"), 10 + i, Protocol::Tcp, 5, |_| {})).collect();
+        v.push(service("sticky", 4, Protocol::Tcp, 2, |s| s.affinity_timeout = Some(600)));
+        v
+    };
+    let mut first = NftablesProxier::new(exec.clone(), RenderOptions::default(), 200);
+    sync_ok(&mut first, SyncBatch { full: true, services: services(60) });
+    drop(first);
+    // A client was sent to an endpoint: its affinity entry is in the kernel.
+    let aff = "aff-600-ns/sticky/tcp/p__198.18.2.10/8080";
+    ns_sh(&ns.name, &["nft", "add", "element", "ip", "clusterip", aff, "{ 198.18.1.2 }"]);
+
+    // A second agent (a restart) starts with an empty mirror; s59 was deleted meanwhile.
+    let mut second = NftablesProxier::new(exec, RenderOptions::default(), 200);
+    let r = sync_ok(&mut second, SyncBatch { full: true, services: services(59) });
+    assert_eq!(r.transactions, 1, "the table in the kernel is rebuilt in one transaction, whatever the bound: {r:?}");
+    assert!(r.cleanup_pending, "the chain of s59 waits for the next sync: {r:?}");
+    let listing = ns_sh(&ns.name, &["nft", "list", "table", "ip", "clusterip"]);
+    assert!(listing.contains("198.18.1.2"), "the affinity entry survived the rebuild:\n{listing}");
+    assert!(!listing.contains("198.19.0.70 . tcp . 80"), "s59's VIP is gone:\n{listing}");
+    let r = sync_ok(&mut second, SyncBatch { full: false, services: vec![] });
+    assert!(!r.cleanup_pending, "{r:?}");
+    let listing = ns_sh(&ns.name, &["nft", "list", "table", "ip", "clusterip"]);
+    assert!(!listing.contains("chain svc-ns/s59/"), "s59's chain deleted:\n{listing}");
+    assert_eq!(listing.matches("chain svc-ns/s").count(), 60, "s0..s58 and sticky");
+
+    // Something the agent never made in its table (an older version's set, say) goes too.
+    ns_sh(&ns.name, &["nft", "add", "set", "ip", "clusterip", "leftover", "{ type ipv4_addr; }"]);
+    let mut third = NftablesProxier::new(Executor::in_netns(&ns.name).expect("netns"), RenderOptions::default(), 200);
+    sync_ok(&mut third, SyncBatch { full: true, services: services(59) });
+    assert!(!ns_sh(&ns.name, &["nft", "list", "table", "ip", "clusterip"]).contains("leftover"));
+}
+
+#[test]
 fn drift_is_detected_and_rebuilt() {
     let ns = Netns::new("apply");
     let exec = Executor::in_netns(&ns.name).expect("netns");

@@ -43,8 +43,11 @@ pub struct Changes {
     pub services: HashSet<NamespacedName>,
     /// Re-render everything (node labels changed, first sync, after a failure).
     pub full: bool,
-    /// `last-change-trigger-time` of the slices changed, for network programming latency.
-    pub trigger_times: Vec<SystemTime>,
+    /// The earliest `last-change-trigger-time` of the slices changed, per Service, for the
+    /// network programming latency. One per Service, not one per slice change: while syncs
+    /// keep failing the changes are put back and new ones keep coming, and this must not
+    /// grow with them (the oldest unprogrammed change is the one whose latency counts).
+    pub trigger_times: HashMap<NamespacedName, SystemTime>,
 }
 
 /// Services and EndpointSlices as last seen, with pending changes.
@@ -166,7 +169,7 @@ impl ProxyState {
         }
         if let Some(t) = info.trigger_time.as_deref().and_then(|t| humantime::parse_rfc3339_weak(t).ok()) {
             if t >= self.started {
-                self.changes.trigger_times.push(t);
+                note_trigger(&mut self.changes.trigger_times, &info.service, t);
             }
         }
         self.changes.services.insert(info.service.clone());
@@ -218,7 +221,15 @@ impl ProxyState {
     pub fn restore_changes(&mut self, mut changes: Changes) {
         self.changes.services.extend(changes.services.drain());
         self.changes.full |= changes.full;
-        self.changes.trigger_times.append(&mut changes.trigger_times);
+        for (nsn, t) in changes.trigger_times.drain() {
+            note_trigger(&mut self.changes.trigger_times, &nsn, t);
+        }
+    }
+
+    /// How much is pending for the next sync: (Services changed, trigger times kept).
+    /// Both are bounded by the number of Services, however many changes arrive.
+    pub fn pending(&self) -> (usize, usize) {
+        (self.changes.services.len(), self.changes.trigger_times.len())
     }
 
     /// All Services currently known.
@@ -272,6 +283,14 @@ impl ProxyState {
             out.insert(nsn.clone(), (port, local.len()));
         }
         out
+    }
+}
+
+/// Keep the earliest trigger time of a Service.
+fn note_trigger(times: &mut HashMap<NamespacedName, SystemTime>, nsn: &NamespacedName, t: SystemTime) {
+    let e = times.entry(nsn.clone()).or_insert(t);
+    if t < *e {
+        *e = t;
     }
 }
 

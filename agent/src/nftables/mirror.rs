@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use super::adopt::Existing;
 use super::render::{render_port, skeleton_rules, Fragment, RenderOptions, SetName, BASE_CHAINS, SHARED_SETS, SKELETON_CHAINS};
 use super::slots::{SlotAllocator, SlotsExhausted};
 use super::transaction::Transaction;
@@ -57,6 +58,39 @@ impl FamilyMirror {
     /// Forget everything (the table is being re-created).
     pub fn reset(&mut self) {
         *self = FamilyMirror::new(self.family);
+    }
+
+    /// Start from a table adopted from the kernel (the mirror was just reset): its shard
+    /// maps exist already and are kept (flushed, refilled as needed).
+    pub fn adopt_shard_maps(&mut self, existing: &Existing) {
+        self.shard_maps.extend(existing.shard_maps());
+    }
+
+    /// After every Service was rendered into an adopting rebuild: what the adopted table
+    /// holds that nothing wants any more goes. Chains (flushed by the rebuild) are deleted
+    /// at the next sync, as any emptied chain; affinity sets and unknown sets and maps are
+    /// deleted at the end of this transaction (their rules are flushed before).
+    pub fn finish_adoption(&mut self, existing: &Existing, tx: &mut Transaction) {
+        let mut wanted_chains: HashSet<&str> = BASE_CHAINS.iter().chain(SKELETON_CHAINS.iter()).copied().collect();
+        let mut wanted_sets: HashSet<String> = SHARED_SETS.iter().map(|s| s.to_string()).collect();
+        wanted_sets.extend(self.shard_maps.iter().map(|m| m.to_string()));
+        for e in self.fragments.values() {
+            wanted_chains.extend(e.frag.chains.keys().map(String::as_str));
+            wanted_sets.extend(e.frag.sets.keys().cloned());
+        }
+        let stale: Vec<String> = existing.chains.iter().filter(|c| !wanted_chains.contains(c.as_str())).cloned().collect();
+        for s in existing.sets.iter().filter(|s| !wanted_sets.contains(*s)) {
+            tx.delete_set(self.family, s);
+        }
+        for m in existing.maps.iter().filter(|m| !wanted_sets.contains(*m)) {
+            tx.delete_map(self.family, m);
+        }
+        self.stale_chains.extend(stale);
+    }
+
+    /// Whether emptied chains wait for deletion (by the next sync).
+    pub fn has_stale_chains(&self) -> bool {
+        !self.stale_chains.is_empty()
     }
 
     /// Delete the chains emptied by earlier syncs.

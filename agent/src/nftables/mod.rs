@@ -4,10 +4,12 @@
 //! types differ per family, and each family can be rebuilt on its own). Every sync is one
 //! `nft -f -` transaction covering both tables, made of deltas against an in-memory
 //! [`mirror`] of what was programmed; the table is only listed on full resyncs, to detect
-//! changes made behind the agent's back. A sync larger than `max_ops` operations (a cold
-//! start with 50k Services, say) is split into bounded transactions at Service-port
-//! boundaries.
+//! changes made behind the agent's back. A sync larger than `max_ops` operations is split
+//! into bounded transactions at Service-port boundaries — except a rebuild of a table that
+//! is already there (start, failure, drift), which is always one transaction: see
+//! [`adopt`].
 
+pub mod adopt;
 pub mod mirror;
 pub mod netlink;
 pub mod render;
@@ -19,6 +21,7 @@ use std::collections::HashMap;
 use crate::model::IpFamily;
 use crate::netns::{ExecError, Executor};
 use crate::proxier::{DataplaneError, Proxier, SyncBatch, SyncReport};
+use adopt::Existing;
 use mirror::FamilyMirror;
 use render::{RenderOptions, TABLE};
 use transaction::Transaction;
@@ -36,8 +39,13 @@ pub struct NftablesProxier {
     opts: RenderOptions,
     max_ops: usize,
     mirrors: [FamilyMirror; 2],
-    /// Start over from an empty table at the next sync (start, failure, drift).
+    /// Rebuild at the next sync (start, failure, drift): forget the mirror, adopt the
+    /// table in the kernel and refill it, in one transaction.
     rebuild: bool,
+    /// The last rebuild failed: the next one deletes and re-creates the tables (still in
+    /// one transaction) instead of adopting them — what is there may not be adoptable (a
+    /// chain or map of another definition, say). Alternates while rebuilds keep failing.
+    replace_next: bool,
     /// Time spent in `nft` (or the netlink batch) during the current sync.
     tool_time: std::time::Duration,
     /// Write transactions that [`netlink`] can encode as nfnetlink batches (unset by
@@ -57,6 +65,7 @@ impl NftablesProxier {
             max_ops: max_ops.max(1),
             mirrors: [FamilyMirror::new(IpFamily::V4), FamilyMirror::new(IpFamily::V6)],
             rebuild: true,
+            replace_next: false,
             tool_time: std::time::Duration::ZERO,
             use_netlink: std::env::var("CLUSTERIP_AGENT_NFT_ONLY").map_or(true, |v| v != "1"),
             socket: None,
@@ -138,7 +147,14 @@ impl NftablesProxier {
     }
 
     fn report(&self, transactions: usize, operations: usize) -> SyncReport {
-        let mut r = SyncReport { transactions, operations, netlink_transactions: self.netlink_count, tool_seconds: self.tool_time.as_secs_f64(), ..Default::default() };
+        let mut r = SyncReport {
+            transactions,
+            operations,
+            netlink_transactions: self.netlink_count,
+            tool_seconds: self.tool_time.as_secs_f64(),
+            cleanup_pending: self.mirrors.iter().any(FamilyMirror::has_stale_chains),
+            ..Default::default()
+        };
         for m in &self.mirrors {
             let (chains, rules, elements) = m.counts();
             r.chains += chains;
@@ -148,21 +164,43 @@ impl NftablesProxier {
         r
     }
 
+    /// Start a rebuild in `tx`: forget the mirrors, then adopt each family's table as the
+    /// kernel has it (or, after a failed rebuild, replace it). Returns what was adopted per
+    /// family, and whether the rebuild must be one transaction (something is programmed
+    /// that traffic relies on).
+    fn start_rebuild(&mut self, tx: &mut Transaction) -> Result<([Option<Existing>; 2], bool), DataplaneError> {
+        let mut adopted = [None, None];
+        let mut atomic = false;
+        for (i, m) in self.mirrors.iter_mut().enumerate() {
+            m.reset();
+            if self.replace_next {
+                tx.rebuild_family(m.family);
+                atomic = true;
+                continue;
+            }
+            let existing = Existing::read(&self.exec, m.family)?;
+            tracing::info!(family = ?m.family, chains = existing.chains.len(), maps = existing.maps.len(), sets = existing.sets.len(), "adopting the table in the kernel");
+            atomic |= !existing.is_empty();
+            tx.adopt_family(m.family, &existing);
+            m.adopt_shard_maps(&existing);
+            adopted[i] = Some(existing);
+        }
+        Ok((adopted, atomic))
+    }
+
     fn sync_inner(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
         self.tool_time = std::time::Duration::ZERO;
         self.netlink_count = 0;
         let rebuild = self.rebuild;
         let mut tx = Transaction::new();
-        if rebuild {
-            for m in &mut self.mirrors {
-                m.reset();
-                tx.rebuild_family(m.family);
-            }
+        let (adopted, atomic) = if rebuild {
+            self.start_rebuild(&mut tx)?
         } else {
             for m in &mut self.mirrors {
                 m.take_stale_chains(&mut tx);
             }
-        }
+            ([None, None], false)
+        };
         let full = batch.full || rebuild;
         let (mut transactions, mut operations) = (0, 0);
         let mut seen: HashMap<IpFamily, Vec<&crate::model::NamespacedName>> = HashMap::new();
@@ -171,7 +209,9 @@ impl NftablesProxier {
                 m.sync_service(nsn, ports, &self.opts, &mut tx)?;
                 seen.entry(m.family).or_default().push(nsn);
             }
-            if tx.ops() >= self.max_ops {
+            // A rebuild of a table traffic relies on is never split: between two parts,
+            // the Services of the later parts would have no rules.
+            if tx.ops() >= self.max_ops && !atomic {
                 self.apply(&tx)?;
                 transactions += 1;
                 operations += tx.ops();
@@ -184,6 +224,11 @@ impl NftablesProxier {
                 for nsn in m.services_not_in(&keep) {
                     m.sync_service(&nsn, &[], &self.opts, &mut tx)?;
                 }
+            }
+        }
+        for (m, existing) in self.mirrors.iter_mut().zip(&adopted) {
+            if let Some(existing) = existing {
+                m.finish_adoption(existing, &mut tx);
             }
         }
         if !tx.is_empty() {
@@ -204,9 +249,13 @@ impl Proxier for NftablesProxier {
         match self.sync_inner(batch) {
             Ok(r) => {
                 self.rebuild = false;
+                self.replace_next = false;
                 Ok(r)
             }
             Err(e) => {
+                if self.rebuild {
+                    self.replace_next = !self.replace_next;
+                }
                 // The mirror may be ahead of the kernel now: start over next time.
                 self.rebuild = true;
                 Err(e)

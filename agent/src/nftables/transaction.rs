@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use super::adopt::Existing;
 use super::netlink::{ElementOp, Op};
 use super::render::{skeleton, Family, SetName, TABLE};
 use crate::model::IpFamily;
@@ -65,6 +66,37 @@ impl Transaction {
 
     pub fn is_empty(&self) -> bool {
         self.ops == 0
+    }
+
+    /// Keep the family's table and what it holds (`existing`, as read from the kernel):
+    /// create whatever of the skeleton is missing, flush every chain and every set and map
+    /// but the ClientIP affinity sets (`aff-*`, whose entries are the affinity state), and
+    /// write the skeleton's rules again. The rest of the transaction refills the table, so
+    /// packets see the old ruleset until the commit and the new one after it.
+    pub fn adopt_family(&mut self, fam: IpFamily, existing: &Existing) {
+        let t = table(fam);
+        let f = self.fam(fam);
+        let (rules, definitions): (Vec<String>, Vec<String>) = skeleton(fam).into_iter().partition(|l| l.starts_with("add rule "));
+        for line in definitions {
+            let _ = writeln!(f.pre, "{line}");
+        }
+        for (kind, name) in existing.objects().filter(|(kind, name)| *kind != "set" || !name.starts_with("aff-")) {
+            let _ = writeln!(f.pre, "flush {kind} {t} {name}");
+        }
+        for line in rules {
+            let _ = writeln!(f.pre, "{line}");
+        }
+        self.ops += 1;
+        self.nft_only += 1;
+    }
+
+    /// Delete a map or set that is not the agent's (any more), at the end of the
+    /// transaction, after the rules using it were flushed.
+    pub fn delete_map(&mut self, fam: IpFamily, name: &str) {
+        let t = table(fam);
+        let _ = writeln!(self.fam(fam).post, "delete map {t} {name}");
+        self.ops += 1;
+        self.nft_only += 1;
     }
 
     /// Drop the family's table (whatever it holds) and create the skeleton.
@@ -273,6 +305,26 @@ mod tests {
             ]
         );
         assert!(matches!(&ops[2], Op::Element(e) if e.value == Some("goto svc-a")));
+    }
+
+    #[test]
+    fn adopting_keeps_the_table_flushes_all_but_affinity_sets_then_writes_the_skeleton_rules() {
+        let existing = Existing {
+            chains: ["nat-output".to_string(), "svc-ns/a/tcp/80".to_string()].into(),
+            sets: ["hairpin".to_string(), "aff-30-ns/a/tcp/80__198.18.2.1/80".to_string()].into(),
+            maps: ["service-ips".to_string(), "endpoint-dnat-tcp-0".to_string()].into(),
+        };
+        let mut tx = Transaction::new();
+        tx.adopt_family(IpFamily::V4, &existing);
+        let text = tx.text();
+        assert!(!text.contains("delete table"), "the table stays: {text}");
+        let pos = |needle: &str| text.find(needle).unwrap_or_else(|| panic!("{needle} missing from {text}"));
+        for flushed in ["flush chain ip clusterip svc-ns/a/tcp/80", "flush chain ip clusterip nat-output", "flush set ip clusterip hairpin", "flush map ip clusterip service-ips", "flush map ip clusterip endpoint-dnat-tcp-0"] {
+            assert!(pos("add chain ip clusterip services") < pos(flushed), "definitions first: {text}");
+            assert!(pos(flushed) < pos("add rule ip clusterip nat-output jump services"), "skeleton rules after the flushes: {text}");
+        }
+        assert!(!text.contains("flush set ip clusterip aff-"), "affinity entries are kept: {text}");
+        assert!(tx.netlink_ops().is_none(), "an adopting rebuild goes through nft");
     }
 
     #[test]

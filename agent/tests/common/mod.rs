@@ -328,6 +328,11 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str]) -> Agent {
+        Self::start_with_env(node_ns, kubeconfig, proxy_name, extra, &[])
+    }
+
+    /// [`Agent::start`] with extra environment variables.
+    pub fn start_with_env(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let node_name = format!("node-{proxy_name}");
         // Spawned from the test's thread with PDEATHSIG: a killed test run kills its agents.
         let mut cmd = command(env!("CARGO_BIN_EXE_clusterip-agent"));
@@ -343,6 +348,7 @@ impl Agent {
         cmd.args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
+            .envs(env.iter().copied())
             .stdin(Stdio::null());
         let log = std::env::temp_dir().join(format!("clusterip-agent-test-{proxy_name}.log"));
         let file = std::fs::File::create(&log).expect("agent log file");
@@ -395,6 +401,17 @@ impl Agent {
         wait_for("the agent to log a finished sync", Duration::from_secs(60), || self.log().contains("sync done").then_some(()));
         let log = self.log();
         assert!(!log.contains("sync failed"), "a sync failed:\n{log}");
+    }
+
+    /// The agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kill the agent (SIGKILL: no shutdown path runs) and reap it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     pub fn stop(&mut self) {

@@ -109,6 +109,7 @@ log=$out/$target.log
 stamp=$(mktemp "$out/.stamp.XXXXXX")
 trap 'rm -f "$stamp"' EXIT
 echo "fuzz: $target for ${minutes} min (log: $log)" >&2
+started=$SECONDS
 set +e
 # New inputs go to the work corpus (the first folder); the committed one is read only.
 timeout --kill-after=30 $((seconds + 60)) "${wrap[@]}" "$bin" "${flags[@]}" \
@@ -116,16 +117,17 @@ timeout --kill-after=30 $((seconds + 60)) "${wrap[@]}" "$bin" "${flags[@]}" \
   "$work" "$committed" >"$log" 2>&1
 rc=$?
 set -e
+elapsed=$((SECONDS - started))
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
 secs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
 [ -n "$execs" ] || execs=$(grep -o '^#[0-9]*' "$log" | tail -1 | tr -d '#')
 mapfile -t found < <(find "$artifacts" -maxdepth 1 -type f -newer "$stamp" \( -name 'crash-*' -o -name 'leak-*' -o -name 'timeout-*' -o -name 'oom-*' -o -name 'slow-unit-*' \) | sort)
 crashes=${#found[@]}
-summary="fuzz: $target: ${execs:-0} executions in ${seconds} s (${secs:-?}/s), $crashes crashes"
+summary="fuzz: $target: ${execs:-0} executions in ${elapsed} s (${secs:-?}/s), $crashes crashes"
 grep -E '^(==[0-9]+== ERROR|thread .* panicked|SUMMARY)' "$log" | head -5 >&2 || true
 for f in "${found[@]}"; do echo "fuzz: input: $f (scripts/fuzz.sh --replay $target $f)" >&2; done
 echo "$summary"
-printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%FT%TZ)" "$target" "$seconds" "${execs:-0}" "$crashes" "$(git rev-parse --short HEAD)" >>"$out/results.tsv"
+printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%FT%TZ)" "$target" "$elapsed" "${execs:-0}" "$crashes" "$(git rev-parse --short HEAD)" >>"$out/results.tsv"
 # libFuzzer exits non-zero on a crash; a run that ended by its own time limit is a success.
 [ "$crashes" -eq 0 ] || exit 1
 [ $rc -eq 0 ] || { echo "fuzz: the fuzzer exited with status $rc (log: $log)" >&2; exit 1; }

@@ -13,6 +13,8 @@ pub mod cidr;
 pub mod cli;
 pub mod controller;
 pub mod crds;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metrics;
 pub mod repair;
 pub mod serve;

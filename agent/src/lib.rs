@@ -7,6 +7,8 @@
 
 pub mod cli;
 pub mod conntrack;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod healthz;
 pub mod http;
 pub mod iptables;

@@ -418,12 +418,18 @@ impl Admission {
                 _ => ip.to_string(),
             })
             .collect();
-        let ops = vec![
+        // The patch must apply to the object as sent: one without a spec gets one first
+        // (an `add` below a missing parent fails the whole patch at the apiserver).
+        let mut ops = Vec::with_capacity(5);
+        if work.svc.spec.is_none() {
+            ops.push(json!({"op": "add", "path": "/spec", "value": {}}));
+        }
+        ops.extend([
             json!({"op": "add", "path": "/spec/clusterIP", "value": ips[0]}),
             json!({"op": "add", "path": "/spec/clusterIPs", "value": ips}),
             json!({"op": "add", "path": "/spec/ipFamilies", "value": clusterips::family_names(&plan.families)}),
             json!({"op": "add", "path": "/spec/ipFamilyPolicy", "value": plan.policy}),
-        ];
+        ]);
         let patch: json_patch::Patch = match serde_json::from_value(serde_json::Value::Array(ops)) {
             Ok(p) => p,
             Err(e) => {
@@ -544,6 +550,21 @@ mod tests {
         assert!(ServiceCidr::parse(V4).expect("v4").contains(ip));
         assert!(store.has(ip).await.expect("has"), "reserved");
         assert!(patch.iter().all(|(p, _)| !p.starts_with("/metadata")), "{patch:?}");
+    }
+
+    #[tokio::test]
+    async fn the_patch_applies_to_a_service_sent_without_a_spec() {
+        // Found by fuzzing (tests/fuzz/corpus/admission/crash-create-without-spec): the
+        // patch added below a /spec the object did not have, so it could not be applied.
+        let (adm, _) = admission();
+        let object = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "default"}});
+        let resp = adm.mutate(&request("CREATE", object.clone(), None)).await;
+        assert!(resp.allowed, "{:?}", resp.result);
+        let patch: json_patch::Patch = serde_json::from_slice(resp.patch.as_deref().expect("a patch")).expect("JSON patch");
+        let mut doc = object;
+        json_patch::patch(&mut doc, &patch).expect("the patch applies");
+        let ip: IpAddr = doc["spec"]["clusterIP"].as_str().expect("clusterIP").parse().expect("ip");
+        assert!(ServiceCidr::parse(V4).expect("v4").contains(ip));
     }
 
     #[tokio::test]

@@ -63,6 +63,15 @@ pub fn parse_review(body: &[u8]) -> Result<AdmissionRequest<Service>, String> {
     }
     let review: AdmissionReview<Service> =
         serde_json::from_slice(body).map_err(|e| format!("body is not an AdmissionReview of a Service: {e}"))?;
+    // The answer echoes the request's apiVersion and kind, so anything but the one version
+    // our webhook configurations ask for (`admissionReviewVersions: ["v1"]`) is refused here
+    // rather than answered in a form the kube-apiserver cannot read (found by fuzzing).
+    if review.types.api_version != "admission.k8s.io/v1" || review.types.kind != "AdmissionReview" {
+        return Err(format!(
+            "body is an {:?} of apiVersion {:?}; expected an AdmissionReview of admission.k8s.io/v1",
+            review.types.kind, review.types.api_version
+        ));
+    }
     review.try_into().map_err(|_| "AdmissionReview has no request".to_string())
 }
 
@@ -179,4 +188,33 @@ pub async fn serve(listener: TcpListener, tls: Arc<ServerConfig>, webhook: Webho
         on_refusal: Some(Arc::new(move |r: serve::Refusal| metrics.webhook_refused_connection(r.label()))),
     };
     serve::serve(listener, server, stop, drain_timeout).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_review;
+
+    fn review(api_version: &str, kind: &str) -> String {
+        serde_json::json!({
+            "apiVersion": api_version, "kind": kind,
+            "request": {
+                "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Service"},
+                "resource": {"group": "", "version": "v1", "resource": "services"},
+                "name": "web", "namespace": "default", "operation": "CREATE", "userInfo": {},
+                "object": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}, "spec": {}}, "dryRun": false
+            }
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn only_v1_admission_reviews_are_answered() {
+        // Found by fuzzing (tests/fuzz/corpus/admission/crash-review-of-another-apiversion):
+        // the answer echoed a malformed apiVersion.
+        assert!(parse_review(review("admission.k8s.io/v1", "AdmissionReview").as_bytes()).is_ok());
+        for (v, k) in [("admission.k8s.io'v1", "AdmissionReview"), ("admission.k8s.io/v1beta1", "AdmissionReview"), ("admission.k8s.io/v1", "Review")] {
+            let err = parse_review(review(v, k).as_bytes()).expect_err(v);
+            assert!(err.contains("expected an AdmissionReview of admission.k8s.io/v1"), "{err}");
+        }
+    }
 }

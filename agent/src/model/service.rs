@@ -88,6 +88,27 @@ pub enum Skip {
     ExternalName,
     Headless,
     OtherProxy,
+    /// A namespace or name the kube-apiserver would not have accepted (what was wrong).
+    /// Names become nft chain and set names, so one that is not a DNS label could break
+    /// the transaction text — or add commands to it — and is never rendered.
+    InvalidName(String),
+}
+
+/// Whether `s` is a DNS-1123 label, as Kubernetes requires of namespaces and Service names:
+/// 1–63 characters, lowercase letters, digits and '-', starting and ending alphanumeric.
+pub fn is_dns_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+/// Whether `s` is a Service port name Kubernetes accepts (an IANA service name: at most 15
+/// lowercase letters, digits and '-'), or empty (a single unnamed port).
+pub fn is_port_name(s: &str) -> bool {
+    s.is_empty() || (s.len() <= 15 && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-'))
 }
 
 /// Read a Service into its ports. `proxy_name` is this agent's
@@ -111,6 +132,12 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Result<Vec<Serv
         svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
         svc.metadata.name.clone().unwrap_or_default(),
     );
+    for (what, v) in [("namespace", &nsn.namespace), ("name", &nsn.name)] {
+        if !is_dns_label(v) {
+            tracing::warn!(service = %nsn, "not proxied: its {what} is not a DNS label");
+            return Err(Skip::InvalidName(format!("{what} {v:?} is not a DNS label")));
+        }
+    }
     let mut ips: Vec<&String> = spec.cluster_ips.iter().flatten().collect();
     if ips.is_empty() {
         ips.extend(spec.cluster_ip.as_ref());
@@ -172,13 +199,18 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Result<Vec<Serv
             tracing::warn!(service = %nsn, protocol = ?p.protocol, "ignoring port with unknown protocol");
             continue;
         };
+        let port_name = p.name.clone().unwrap_or_default();
+        if !is_port_name(&port_name) {
+            tracing::warn!(service = %nsn, port_name = %port_name, "ignoring port whose name is not an IANA service name");
+            continue;
+        }
         let Ok(port) = u16::try_from(p.port) else {
             tracing::warn!(service = %nsn, port = p.port, "ignoring out-of-range port");
             continue;
         };
         let node_port = if has_node_ports { p.node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0) } else { None };
         let mut sp = ServicePort {
-            name: ServicePortName { service: nsn.clone(), port_name: p.name.clone().unwrap_or_default(), protocol },
+            name: ServicePortName { service: nsn.clone(), port_name, protocol },
             port,
             cluster_ips: cluster_ips.clone(),
             external_ips: external_ips.clone(),
@@ -234,6 +266,21 @@ mod tests {
         assert!(!ports[0].externally_accessible());
         assert!(ports[0].uses_cluster_endpoints());
         assert!(!ports[0].uses_local_endpoints());
+    }
+
+    #[test]
+    fn names_that_are_not_dns_labels_are_never_rendered() {
+        // Found by fuzzing (tests/fuzz/corpus/nft/crash-name-not-a-dns-label): names become
+        // nft chain names, and "we b;x" split the transaction text into other commands.
+        for (ns, name) in [("ns", "we b;x"), ("ns", ""), ("n s", "web"), ("ns", "Web"), ("ns", &"a".repeat(64)), ("ns", "-a")] {
+            let s = svc(json!({"metadata": {"name": name, "namespace": ns}, "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80}]}}));
+            assert!(matches!(service_ports(&s, None), Err(Skip::InvalidName(_))), "{ns}/{name}");
+        }
+        let s = svc(json!({"metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"clusterIP": "198.19.0.1", "ports": [{"name": "h;ttp", "port": 80}, {"name": "http", "port": 81}]}}));
+        let ports = service_ports(&s, None).expect("proxied");
+        assert_eq!(ports.iter().map(|p| p.port).collect::<Vec<_>>(), vec![81], "the port with a bad name is dropped");
+        assert!(is_dns_label("a-1") && is_dns_label(&"a".repeat(63)) && !is_dns_label("a."));
     }
 
     #[test]

@@ -204,10 +204,23 @@ fn parse_verdict(text: &str) -> Result<(i32, Option<&str>), &'static str> {
         (Some("jump"), Some(c)) => (NFT_JUMP, Some(c)),
         _ => return Err("unknown verdict"),
     };
-    if it.next().is_some() {
+    if it.next().is_some() || v.1.is_some_and(|c| !nft_identifier(c)) {
         return Err("unknown verdict");
     }
     Ok(v)
+}
+
+/// Whether nft reads `s` as one identifier (a chain or map name) the way the encoder would
+/// send it: a letter or '_' first, then letters, digits and `-_./`, under 256 bytes. A name
+/// outside that (a space, a ';') means something else in nft text, so the encoder refuses
+/// it and the transaction goes through `nft -f`, where the difference shows as an error
+/// (found by fuzzing: tests/fuzz/corpus/netlink_encode/crash-chain-name-with-a-space).
+fn nft_identifier(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() < 256
+        && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.' | b'/'))
 }
 
 /// Netlink message building.
@@ -320,13 +333,13 @@ fn proto_number(p: &str) -> Option<u8> {
 fn parse_rule(rule: &str) -> Option<Rule<'_>> {
     let w: Vec<&str> = rule.split(' ').collect();
     match w.as_slice() {
-        ["jump", c] => Some(Rule::Verdict { code: NFT_JUMP, chain: c }),
-        ["goto", c] => Some(Rule::Verdict { code: NFT_GOTO, chain: c }),
+        ["jump", c] if nft_identifier(c) => Some(Rule::Verdict { code: NFT_JUMP, chain: c }),
+        ["goto", c] if nft_identifier(c) => Some(Rule::Verdict { code: NFT_GOTO, chain: c }),
         ["meta", "l4proto", p, "dnat", "to", "numgen", "random", "mod", n, "offset", b, "map", m] => Some(Rule::DnatMap {
             proto: proto_number(p)?,
             modulus: n.parse().ok().filter(|n| *n > 0)?,
             offset: b.parse().ok()?,
-            map: m.strip_prefix('@')?,
+            map: m.strip_prefix('@').filter(|m| nft_identifier(m))?,
         }),
         ["meta", "l4proto", p, "dnat", "to", target] => {
             let sa: std::net::SocketAddr = target.parse().ok()?;
@@ -482,6 +495,9 @@ pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
         let first = match &ops[i] {
             Op::Element(e) => e,
             Op::AddChain { family, chain } | Op::FlushChain { family, chain } | Op::DeleteChain { family, chain } => {
+                if !nft_identifier(chain) {
+                    return Err(Unencodable { set: chain.to_string(), key: String::new(), why: "not a chain name nft reads as one" });
+                }
                 let (ty, flags, name_attr) = match &ops[i] {
                     Op::AddChain { .. } => (NFT_MSG_NEWCHAIN, NLM_F_CREATE, NFTA_CHAIN_NAME),
                     Op::DeleteChain { .. } => (NFT_MSG_DELCHAIN, 0, NFTA_CHAIN_NAME),
@@ -495,6 +511,9 @@ pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
                 continue;
             }
             Op::AddRule { family, chain, rule } => {
+                if !nft_identifier(chain) {
+                    return Err(Unencodable { set: chain.to_string(), key: rule.to_string(), why: "not a chain name nft reads as one" });
+                }
                 let parsed = parse_rule(rule).ok_or_else(|| Unencodable { set: chain.to_string(), key: rule.to_string(), why: "rule shape not encoded" })?;
                 let m = buf.msg_start(msg_type(NFT_MSG_NEWRULE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_APPEND, seq, nfproto_family(*family), 0);
                 buf.attr_str(NFTA_RULE_TABLE, TABLE);

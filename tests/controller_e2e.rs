@@ -176,30 +176,9 @@ impl Drop for Webhook {
 /// Start one controller replica (it picks its own ports) with `auth`, its client-certificate
 /// flags ([`controller_common::client_auth_args`]: only the kube-apiserver's certificate).
 fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice, auth: &[String]) -> Controller {
-    let pki = cp.dir().join("pki");
-    let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
-    Controller::start(auth.iter().map(String::as_str).chain([
-        "--backend",
-        backend,
-        "--service-cidr",
-        &format!("{},{}", slice.v4(), slice.v6()),
-        "--etcd-endpoints",
-        &cp.etcd_endpoints().join(","),
-        "--etcd-prefix",
-        &format!("/clusterip-test/{name}"),
-        "--kubeconfig",
-        &kubeconfig.display().to_string(),
-        "--leader-elect-namespace",
-        "default",
-        "--leader-elect-lease-name",
-        name,
-        "--leader-elect-identity",
-        &format!("replica-{replica}"),
-        "--tls-cert-file",
-        &crt.display().to_string(),
-        "--tls-private-key-file",
-        &key.display().to_string(),
-    ]))
+    let ranges = format!("{},{}", slice.v4(), slice.v6());
+    let base = controller_common::controller_args(cp, backend, &ranges, name, "default", &format!("replica-{replica}"), &cp.kubeconfig());
+    Controller::start(auth.iter().cloned().chain(base))
 }
 
 /// Forward each connection to the next replica that accepts it (TLS passes through).

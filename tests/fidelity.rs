@@ -460,32 +460,8 @@ impl Webhook {
         let client = cp.client().await;
         let name = unique_name(&format!("fidelity-{}", layout.backend));
         let pki = cp.dir().join("pki");
-        let (kubeconfig, crt, key) = (cp.kubeconfig(), pki.join("webhook.crt"), pki.join("webhook.key"));
-        let mut args: Vec<String> = [
-            "--backend",
-            layout.backend,
-            "--service-cidr",
-            &format!("{},{}", layout.our_v4, layout.our_v6),
-            "--etcd-endpoints",
-            &cp.etcd_endpoints().join(","),
-            "--etcd-prefix",
-            &format!("/clusterip-test/{name}"),
-            "--kubeconfig",
-            &kubeconfig.display().to_string(),
-            "--leader-elect-namespace",
-            "default",
-            "--leader-elect-lease-name",
-            &name,
-            "--leader-elect-identity",
-            "replica-0",
-            "--tls-cert-file",
-            &crt.display().to_string(),
-            "--tls-private-key-file",
-            &key.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let ranges = format!("{},{}", layout.our_v4, layout.our_v6);
+        let mut args = controller_common::controller_args(cp, layout.backend, &ranges, &name, "default", "replica-0", &cp.kubeconfig());
         // Only the kube-apiserver's client certificate makes the webhook act.
         args.extend(controller_common::client_auth_args(cp));
         let child = Controller::start(args);

@@ -112,39 +112,9 @@ async fn hold(mut mode: watch::Receiver<Mode>, sockets: (TcpStream, Option<TcpSt
 
 /// A controller replica (identity `replica-<id>`) of the election `name`.
 fn replica(cp: &ControlPlane, name: &str, id: &str, kubeconfig: &Path, timings: &[&str]) -> Controller {
-    let pki = cp.dir().join("pki");
-    let mut args: Vec<String> = controller_common::client_auth_args(cp);
-    for a in [
-        "--backend",
-        "etcd",
-        "--etcd-address-pool",
-        "0",
-        "--service-cidr",
-        RANGES,
-        "--etcd-endpoints",
-        &cp.etcd_endpoints().join(","),
-        "--etcd-prefix",
-        &format!("/clusterip-test/{name}"),
-        "--kubeconfig",
-        &kubeconfig.display().to_string(),
-        "--leader-elect-namespace",
-        NAMESPACE,
-        "--leader-elect-lease-name",
-        name,
-        "--leader-elect-identity",
-        &format!("replica-{id}"),
-        "--repair-interval",
-        "0",
-        "--tls-cert-file",
-        &pki.join("webhook.crt").display().to_string(),
-        "--tls-private-key-file",
-        &pki.join("webhook.key").display().to_string(),
-    ]
-    .into_iter()
-    .chain(timings.iter().copied())
-    {
-        args.push(a.to_string());
-    }
+    let mut args = controller_common::client_auth_args(cp);
+    args.extend(controller_common::controller_args(cp, "etcd", RANGES, name, NAMESPACE, &format!("replica-{id}"), kubeconfig));
+    args.extend(["--etcd-address-pool", "0", "--repair-interval", "0"].iter().chain(timings).map(|s| s.to_string()));
     Controller::start(args)
 }
 

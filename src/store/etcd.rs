@@ -751,17 +751,8 @@ impl AllocationStore for EtcdStore {
         let mut all = Vec::new();
         for r in &self.per_range {
             let prefix = owner_prefix(&r.key);
-            let mut client = self.client.clone();
-            let resp = match tokio::time::timeout(self.timeout, client.get(prefix.as_str(), Some(GetOptions::new().with_prefix()))).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {prefix} from etcd: {e}"))),
-                Err(_) => return Err(StoreError::Unavailable(format!("reading {prefix} from etcd: no answer within {:?}", self.timeout))),
-            };
-            for kv in resp.kvs() {
-                if let Some(ip) = kv.key_str().ok().and_then(|k| k.strip_prefix(prefix.as_str())).and_then(|t| crate::cidr::parse_ip(t).ok()) {
-                    all.push((ip, decode_owner(kv.value())));
-                }
-            }
+            let resp = read(&mut self.client.clone(), &prefix, Some(GetOptions::new().with_prefix()), self.timeout).await?;
+            all.extend(owners_in(&prefix, resp.kvs()));
         }
         all.sort_by_key(|(ip, _)| *ip);
         Ok(all)
@@ -825,12 +816,25 @@ fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<AllocationMap, 
 
 /// One key's value and mod revision (None when absent), within `timeout`.
 async fn get(client: &mut Client, key: &str, timeout: Duration) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
-    let resp = match tokio::time::timeout(timeout, client.get(key, None)).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
-        Err(_) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {timeout:?}"))),
-    };
+    let resp = read(client, key, None, timeout).await?;
     Ok(resp.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())))
+}
+
+/// One read (of a key, or with `with_prefix` of everything under it), within `timeout`.
+async fn read(client: &mut Client, key: &str, options: Option<GetOptions>, timeout: Duration) -> Result<etcd_client::GetResponse, StoreError> {
+    match tokio::time::timeout(timeout, client.get(key, options)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
+        Err(_) => Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {timeout:?}"))),
+    }
+}
+
+/// The owner keys among `kvs` (read under `prefix`, the range's owner prefix).
+fn owners_in<'a>(prefix: &'a str, kvs: &'a [etcd_client::KeyValue]) -> impl Iterator<Item = (IpAddr, ParentRef)> + 'a {
+    kvs.iter().filter_map(move |kv| {
+        let ip = kv.key_str().ok()?.strip_prefix(prefix).and_then(|t| crate::cidr::parse_ip(t).ok())?;
+        Some((ip, decode_owner(kv.value())))
+    })
 }
 
 /// What a key under a range's prefix is.
@@ -945,12 +949,7 @@ async fn answer_claim(ctx: RangeCtx, key: String, ip: IpAddr, claim: Claim) {
 /// Replace the local copy with what etcd holds now under the range key's prefix.
 async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
     let key = &ctx.key;
-    let mut client = ctx.client.clone();
-    let resp = match tokio::time::timeout(ctx.timeout, client.get(key.as_str(), Some(GetOptions::new().with_prefix()))).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
-        Err(_) => return Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {:?}", ctx.timeout))),
-    };
+    let resp = read(&mut ctx.client.clone(), key, Some(GetOptions::new().with_prefix()), ctx.timeout).await?;
     let mut map = AllocationMap::new(ctx.cidr.clone());
     let mut revision = 0;
     let mut rest = Vec::new();
@@ -1240,15 +1239,7 @@ impl Committer {
             });
             let current = gets.next().and_then(|g| g.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())));
             let prefix = owner_prefix(&key);
-            let now_owned: Option<BTreeMap<IpAddr, ParentRef>> = gets.next().map(|g| {
-                g.kvs()
-                    .iter()
-                    .filter_map(|kv| {
-                        let ip = kv.key_str().ok()?.strip_prefix(prefix.as_str()).and_then(|t| crate::cidr::parse_ip(t).ok())?;
-                        Some((ip, decode_owner(kv.value())))
-                    })
-                    .collect()
-            });
+            let now_owned: Option<BTreeMap<IpAddr, ParentRef>> = gets.next().map(|g| owners_in(&prefix, g.kvs()).collect());
             let (map, revision) = match current {
                 Some((value, rev)) => (decode(&key, &self.ctx.cidr, &value)?, rev),
                 None => (AllocationMap::new(self.ctx.cidr.clone()), 0),

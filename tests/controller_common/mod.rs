@@ -30,6 +30,39 @@ pub fn client_auth_args(cp: &ControlPlane) -> Vec<String> {
     ]
 }
 
+/// What every test controller is started with: `backend` over `ranges`, etcd records under
+/// `/clusterip-test/<name>`, the leader Lease `<namespace>/<name>` with identity `identity`,
+/// the dev PKI's webhook serving certificate. Tests add their own flags (client
+/// authentication, timings) to it.
+pub fn controller_args(cp: &ControlPlane, backend: &str, ranges: &str, name: &str, namespace: &str, identity: &str, kubeconfig: &std::path::Path) -> Vec<String> {
+    let pki = cp.dir().join("pki");
+    [
+        "--backend",
+        backend,
+        "--service-cidr",
+        ranges,
+        "--etcd-endpoints",
+        &cp.etcd_endpoints().join(","),
+        "--etcd-prefix",
+        &format!("/clusterip-test/{name}"),
+        "--kubeconfig",
+        &kubeconfig.display().to_string(),
+        "--leader-elect-namespace",
+        namespace,
+        "--leader-elect-lease-name",
+        name,
+        "--leader-elect-identity",
+        identity,
+        "--tls-cert-file",
+        &pki.join("webhook.crt").display().to_string(),
+        "--tls-private-key-file",
+        &pki.join("webhook.key").display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// (certificate, key) the kube-apiserver presents to webhooks: what a test posting to the
 /// webhook directly presents too.
 pub fn apiserver_client_cert(cp: &ControlPlane) -> (PathBuf, PathBuf) {

@@ -6,6 +6,7 @@
 //! | `clusterip_allocator_allocated_ips` | gauge | cidr |
 //! | `clusterip_allocator_available_ips` | gauge | cidr |
 //! | `clusterip_allocator_pooled_ips` | gauge | cidr (etcd backend: free addresses held in replicas' address pools) |
+//! | `clusterip_allocator_unreadable_records` | gauge | kind (allocation_map, owner, ipaddress): stored records the allocator cannot read and refuses to act on |
 //! | `clusterip_allocator_allocation_total` | counter | cidr, scope (static, dynamic) |
 //! | `clusterip_allocator_allocation_errors_total` | counter | cidr, scope |
 //! | `clusterip_allocator_allocation_duration_seconds` | histogram | cidr |
@@ -56,6 +57,11 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RepairLabels {
     pub r#type: &'static str,
 }
@@ -79,6 +85,7 @@ pub struct Metrics {
     pub allocated_ips: Family<CidrLabels, Gauge>,
     pub available_ips: Family<CidrLabels, Gauge>,
     pub pooled_ips: Family<CidrLabels, Gauge>,
+    pub unreadable_records: Family<KindLabels, Gauge>,
     pub allocation_total: Family<ScopeLabels, Counter>,
     pub allocation_errors_total: Family<ScopeLabels, Counter>,
     pub allocation_duration: Family<CidrLabels, Histogram>,
@@ -111,6 +118,7 @@ impl Metrics {
             allocated_ips: Family::default(),
             available_ips: Family::default(),
             pooled_ips: Family::default(),
+            unreadable_records: Family::default(),
             allocation_total: Family::default(),
             allocation_errors_total: Family::default(),
             allocation_duration: Family::new_with_constructor(latency_histogram),
@@ -130,6 +138,11 @@ impl Metrics {
             "pooled_ips",
             "Gauge measuring the free IPs held ahead of need in the controller replicas' address pools (counted in available_ips)",
             m.pooled_ips.clone(),
+        );
+        alloc.register(
+            "unreadable_records",
+            "Gauge measuring the stored allocation records the allocator cannot read (and so refuses to act on), by kind",
+            m.unreadable_records.clone(),
         );
         alloc.register("allocation", "Number of Cluster IPs allocations", m.allocation_total.clone());
         alloc.register("allocation_errors", "Number of errors trying to allocate Cluster IPs", m.allocation_errors_total.clone());
@@ -212,6 +225,15 @@ impl Metrics {
         self.available_ips.get_or_create(&l).set(i64::try_from(free).unwrap_or(i64::MAX));
     }
 
+    /// The records the store cannot read now, counted by kind (every kind always reported,
+    /// so the gauge returns to 0 once they are repaired).
+    pub fn set_unreadable(&self, records: &[crate::store::Unreadable]) {
+        for kind in ["allocation_map", "owner", "ipaddress"] {
+            let n = records.iter().filter(|r| r.kind == kind).count();
+            self.unreadable_records.get_or_create(&KindLabels { kind }).set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
     /// The text exposition format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -225,8 +247,12 @@ impl Metrics {
 
 /// Serve `/metrics`, `/healthz`, `/readyz` over plain HTTP (HTTP/1.1) until the task is
 /// dropped, with the same limits on clients as the webhook ([`crate::serve`]). The
-/// allocated/available gauges are refreshed from the store on each scrape. `/readyz`
-/// answers 503 once `draining` is set (the controller is shutting down).
+/// allocated/available and unreadable-record gauges are refreshed from the store on each
+/// scrape. `/readyz` asks the store itself ([`AllocationStore::ready`]: etcd or the
+/// kube-apiserver answers, every record readable), and answers 503 with the reason when it
+/// cannot, or once `draining` is set (the controller is shutting down).
+///
+/// [`AllocationStore::ready`]: crate::store::AllocationStore::ready
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: std::sync::Arc<Metrics>,
@@ -247,7 +273,7 @@ pub async fn serve(
                 }
                 "/healthz" | "/livez" => (StatusCode::OK, "ok".to_string()),
                 "/readyz" if draining.load(std::sync::atomic::Ordering::SeqCst) => (StatusCode::SERVICE_UNAVAILABLE, "shutting down".to_string()),
-                "/readyz" => match crate::store::AllocationStore::usage(store.as_ref()).await {
+                "/readyz" => match crate::store::AllocationStore::ready(store.as_ref()).await {
                     Ok(_) => (StatusCode::OK, "ok".to_string()),
                     Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("allocation store not ready: {e}")),
                 },

@@ -214,19 +214,22 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         }
     };
     let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
-    let mut seeded = 0;
     if store.backend() == "etcd" {
-        // (The ipaddress backend already counts every IPAddress object as allocated.)
-        for ip in recorded.snapshot() {
-            if store.ranges().iter().any(|c| c.contains(ip)) && store.allocate(ip, None).await.is_ok() {
-                seeded += 1;
-            }
+        // (The ipaddress backend already counts every IPAddress object as allocated.) Only
+        // what the map lacks, in one group-committed batch, not a transaction per address.
+        let (seeded, failed) = crate::store::record_missing(store.as_ref(), recorded.snapshot()).await;
+        if seeded > 0 {
+            info!(seeded, "recorded addresses the cluster already uses in our ranges");
+        }
+        if let Some((ip, e)) = failed.first() {
+            tracing::warn!(failed = failed.len(), first = %ip, error = %e, "could not record addresses the cluster already uses; the Service reconciler and the repair pass retry");
         }
     }
-    if seeded > 0 {
-        info!(seeded, "recorded addresses the cluster already uses in our ranges");
-    }
-    let store = Arc::new(MeteredStore::new(store, metrics.clone()));
+    // (The ipaddress backend reports unreadable IPAddress objects itself.)
+    let store = match args.backend.backend {
+        BackendKind::Etcd => Arc::new(MeteredStore::new(store, metrics.clone()).with_recorded(recorded.clone())),
+        BackendKind::Ipaddress => Arc::new(MeteredStore::new(store, metrics.clone())),
+    };
     let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit));
     // Answered addresses the apiserver never records (the request failed later) go back
     // after the in-flight limit; every replica sweeps its own.

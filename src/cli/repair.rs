@@ -62,6 +62,13 @@ pub struct RepairArgs {
     /// etcd backend (as `clusterip import-rangeallocation` does).
     #[arg(long, value_name = "FILE|ETCD_KEY")]
     pub import_rangeallocation: Option<String>,
+
+    /// (etcd backend) Before the pass, replace every allocation map that cannot be read
+    /// with one rebuilt from the cluster: the addresses of every Service and IPAddress
+    /// object, the owner records and the replicas' address pools. Readable maps are left
+    /// alone. The way back from a corrupt map (docs/operations.md, "Corrupt records").
+    #[arg(long, conflicts_with = "audit_apiserver")]
+    pub rebuild: bool,
 }
 
 pub async fn run(args: RepairArgs) -> anyhow::Result<i32> {
@@ -95,6 +102,12 @@ async fn pass(args: &RepairArgs) -> anyhow::Result<(PassResult, Duration)> {
         let done = super::import::import(&args.backend.etcd.clone().into(), &source).await?;
         eprintln!("{done}");
         imported = Some(done.cidr);
+    }
+    if args.rebuild {
+        if args.backend.backend != BackendKind::Etcd {
+            anyhow::bail!("--rebuild needs --backend etcd: it rebuilds the etcd backend's allocation maps (IPAddress objects are rebuilt by the pass itself)");
+        }
+        rebuild(args, &client).await?;
     }
     let target = if args.audit_apiserver {
         Target::Audit
@@ -134,6 +147,27 @@ async fn pass(args: &RepairArgs) -> anyhow::Result<(PassResult, Duration)> {
     let result = repairer.run_once(args.fix, args.release_leaks_now, Some(&progress)).await.context("repair pass")?;
     clear_progress();
     Ok((result, started.elapsed()))
+}
+
+/// `--rebuild`: rewrite the unreadable maps, one line per map on stderr.
+async fn rebuild(args: &RepairArgs, client: &kube::Client) -> anyhow::Result<()> {
+    let ranges = args.backend.ranges()?;
+    if ranges.is_empty() {
+        anyhow::bail!("the etcd backend needs at least one --service-cidr");
+    }
+    let store = crate::store::etcd::EtcdStore::open(&args.backend.etcd.clone().into(), ranges).await?;
+    let cluster = crate::repair::cluster_addresses(client).await.context("reading what the cluster holds")?;
+    let done = store.rebuild_unreadable(&cluster).await?;
+    if done.is_empty() {
+        eprintln!("rebuild: every allocation map is readable; nothing rebuilt");
+    }
+    for r in done {
+        eprintln!(
+            "rebuild: {}: wrote a new map of {} addresses ({} held by Services and IPAddresses, {} with an owner record, {} in address pools)",
+            r.key, r.addresses, r.from_cluster, r.owned, r.pooled
+        );
+    }
+    Ok(())
 }
 
 fn clear_progress() {

@@ -372,6 +372,30 @@ pub async fn list_ipaddresses(client: &kube::Client, progress: Progress<'_>) -> 
     list_all(&api, "IPAddresses", progress, |a| record_view(a, now)).await
 }
 
+/// Every address the cluster holds: the Services' addresses and the names of every
+/// IPAddress object (read as metadata only, so an object with a garbled spec still counts).
+/// What `clusterip repair --rebuild` rebuilds an unreadable allocation map from.
+pub async fn cluster_addresses(client: &kube::Client) -> Result<BTreeSet<IpAddr>, RepairError> {
+    let services: Api<Service> = Api::all(client.clone());
+    let mut all: BTreeSet<IpAddr> = list_all(&services, "Services", &|_, _| {}, |s| crate::controller::services::service_ips(&s))
+        .await?
+        .into_iter()
+        .flatten()
+        .filter_map(|t| cidr::parse_ip(&t).ok())
+        .collect();
+    let ipaddrs: Api<IPAddress> = Api::all(client.clone());
+    let mut token: Option<String> = None;
+    loop {
+        let lp = ListParams { limit: Some(PAGE), continue_token: token.clone(), ..Default::default() };
+        let page = ipaddrs.list_metadata(&lp).await.map_err(|source| RepairError::List { what: "IPAddresses", source })?;
+        all.extend(page.items.iter().filter_map(|o| cidr::parse_ip(o.metadata.name.as_deref()?).ok()));
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            return Ok(all);
+        }
+    }
+}
+
 /// The ranges of the cluster's ServiceCIDR objects (unparsable ones are skipped, logged).
 pub async fn servicecidr_ranges(client: &kube::Client) -> Result<Vec<ServiceCidr>, RepairError> {
     let api: Api<ServiceCIDR> = Api::all(client.clone());

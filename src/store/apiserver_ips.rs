@@ -8,13 +8,13 @@
 //! apiserver (see `reservations.rs` and docs/backends.md, "Decisions on a possibly stale
 //! view").
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::api::Api;
+use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use tokio::sync::watch;
@@ -22,12 +22,15 @@ use tracing::warn;
 
 use crate::cidr;
 
-use super::StoreError;
+use super::{StoreError, Unreadable};
 
 /// A watch-fed set of IPAddress names.
 #[derive(Clone)]
 pub struct ApiserverIps {
     set: Arc<RwLock<HashSet<IpAddr>>>,
+    /// Names of IPAddress objects that are not canonical addresses: they hold nothing a
+    /// Service could ask for, but are reported (log, `clusterip_allocator_unreadable_records`).
+    bad: Arc<RwLock<BTreeSet<String>>>,
     /// Counts additions (a new record, or a relist); a receiver never misses one, however
     /// busy its task was when it happened.
     added: Arc<watch::Sender<u64>>,
@@ -37,49 +40,79 @@ pub struct ApiserverIps {
 
 impl Default for ApiserverIps {
     fn default() -> Self {
-        Self { set: Arc::default(), added: Arc::new(watch::Sender::new(0)), api: None }
+        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), api: None }
     }
 }
 
 impl ApiserverIps {
     /// Start the watch; `synced` turns true after the first full list.
+    ///
+    /// It watches metadata only: the name is the address, and an object whose spec cannot be
+    /// decoded (a garbled parentRef, written behind the apiserver's validation) must neither
+    /// stop the watch nor go uncounted: its address stays taken.
     pub fn start(client: kube::Client) -> (Self, watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
         let me = Self { api: Some(Api::all(client.clone())), ..Self::default() };
         let (tx, rx) = watch::channel(false);
-        let (set, added) = (me.set.clone(), me.added.clone());
+        let (set, bad, added) = (me.set.clone(), me.bad.clone(), me.added.clone());
         let task = tokio::spawn(async move {
-            let api: Api<IPAddress> = Api::all(client);
+            let api: Api<PartialObjectMeta<IPAddress>> = Api::all(client);
             let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
-            let mut relist: Option<HashSet<IpAddr>> = None;
+            let mut relist: Option<(HashSet<IpAddr>, BTreeSet<String>)> = None;
+            let judge = |o: &PartialObjectMeta<IPAddress>| -> Result<IpAddr, String> {
+                let name = o.metadata.name.clone().unwrap_or_default();
+                address(&name).ok_or(name)
+            };
             while let Some(ev) = stream.next().await {
                 match ev {
-                    Ok(Event::Init) => relist = Some(HashSet::new()),
-                    Ok(Event::InitApply(o)) => {
-                        if let (Some(l), Some(ip)) = (relist.as_mut(), address(&o)) {
+                    Ok(Event::Init) => relist = Some(Default::default()),
+                    Ok(Event::InitApply(o)) => match (relist.as_mut(), judge(&o)) {
+                        (Some((l, _)), Ok(ip)) => {
                             l.insert(ip);
                         }
-                    }
+                        (Some((_, b)), Err(name)) => {
+                            b.insert(name);
+                        }
+                        _ => {}
+                    },
                     Ok(Event::InitDone) => {
-                        *set.write().unwrap_or_else(|p| p.into_inner()) = relist.take().unwrap_or_default();
+                        let (ips, names) = relist.take().unwrap_or_default();
+                        *set.write().unwrap_or_else(|p| p.into_inner()) = ips;
+                        for name in &names {
+                            warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
+                        }
+                        *bad.write().unwrap_or_else(|p| p.into_inner()) = names;
                         tx.send_replace(true);
                         added.send_modify(|n| *n += 1);
                     }
-                    Ok(Event::Apply(o)) => {
-                        if let Some(ip) = address(&o) {
+                    Ok(Event::Apply(o)) => match judge(&o) {
+                        Ok(ip) => {
                             set.write().unwrap_or_else(|p| p.into_inner()).insert(ip);
                             added.send_modify(|n| *n += 1);
                         }
-                    }
-                    Ok(Event::Delete(o)) => {
-                        if let Some(ip) = address(&o) {
+                        Err(name) => {
+                            warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
+                            bad.write().unwrap_or_else(|p| p.into_inner()).insert(name);
+                        }
+                    },
+                    Ok(Event::Delete(o)) => match judge(&o) {
+                        Ok(ip) => {
                             set.write().unwrap_or_else(|p| p.into_inner()).remove(&ip);
                         }
-                    }
+                        Err(name) => {
+                            bad.write().unwrap_or_else(|p| p.into_inner()).remove(&name);
+                        }
+                    },
                     Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
                 }
             }
         });
         (me, rx, task)
+    }
+
+    /// IPAddress objects whose name is not a canonical address (kind `ipaddress`).
+    pub fn unreadable(&self) -> Vec<Unreadable> {
+        let bad = self.bad.read().unwrap_or_else(|p| p.into_inner());
+        bad.iter().map(|name| Unreadable { kind: "ipaddress", record: name.clone(), reason: "the name is not a canonical IP address".into() }).collect()
     }
 
     /// A view that no watch updates: the given addresses, as of whenever they were read.
@@ -94,7 +127,8 @@ impl ApiserverIps {
     /// stale (see the module docs). A fixed view answers from its set.
     pub async fn recorded_now(&self, ip: IpAddr) -> Result<bool, StoreError> {
         let Some(api) = &self.api else { return Ok(self.contains(ip)) };
-        match api.get_opt(&ip.to_string()).await {
+        // (Metadata only: an object whose spec cannot be decoded still records the address.)
+        match api.get_metadata_opt(&ip.to_string()).await {
             Ok(found) => Ok(found.is_some()),
             Err(kube::Error::Api(s)) if s.code < 500 && s.code != 429 => Err(StoreError::Backend(format!("reading IPAddress {ip}: {} ({})", s.message, s.code))),
             Err(e) => Err(StoreError::Unavailable(format!("reading IPAddress {ip}: {e}"))),
@@ -118,6 +152,7 @@ impl ApiserverIps {
     }
 }
 
-fn address(o: &IPAddress) -> Option<IpAddr> {
-    cidr::parse_ip(o.metadata.name.as_deref()?).ok()
+/// The address an IPAddress object's name records, if it is one.
+fn address(name: &str) -> Option<IpAddr> {
+    cidr::parse_ip(name).ok()
 }

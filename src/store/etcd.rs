@@ -26,6 +26,11 @@
 //!   names the releaser — each as a compare in the transaction, so a stale copy can only
 //!   cause a retry, never a release of another owner's address. Service addresses carry
 //!   no owner key: the kube-apiserver records them itself, as IPAddress objects.
+//! - A value that cannot be decoded is never guessed at: an unreadable map stops every
+//!   change to its range (and reads of what it holds) with [`StoreError::Corrupt`] and is
+//!   never overwritten, until [`EtcdStore::rebuild_unreadable`] (`clusterip repair
+//!   --rebuild`) replaces it; an unreadable owner key keeps its address held. Both are
+//!   reported by [`AllocationStore::unreadable`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -46,9 +51,10 @@ use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{Family, ServiceCidr};
 
 use super::etcd_pool::{
-    claim_key, decode_pool, encode_pool, pool_prefix, pool_target, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_TIMEOUT, LEASE_MARGIN, LEASE_TTL,
+    claim_key, decode_pool, encode_pool, pool_prefix, pool_target, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_LEASE_TTL_S, CLAIM_TIMEOUT, LEASE_MARGIN,
+    LEASE_TTL,
 };
-use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
+use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
 
 /// How the etcd backend connects and batches. Flags: see [`EtcdArgs`].
 #[derive(Clone, Debug)]
@@ -249,16 +255,35 @@ fn encode_owner(owner: &ParentRef) -> Vec<u8> {
     serde_json::to_vec(owner).unwrap_or_default()
 }
 
+/// The resource of the owner an unreadable owner key stands for.
+pub const UNREADABLE_OWNER: &str = "unreadable-owner-record";
+
 /// An owner key's value read back. An unreadable value still marks the address as owned
-/// (by an owner that cannot be named), so no unowned release takes it.
+/// (by an owner that cannot be named), so no unowned release takes it: it fails closed.
 fn decode_owner(value: &[u8]) -> ParentRef {
-    serde_json::from_slice(value).unwrap_or_else(|_| ParentRef {
+    parse_owner(value).unwrap_or_else(|_| ParentRef {
         group: String::new(),
-        resource: "unreadable-owner-record".into(),
+        resource: UNREADABLE_OWNER.into(),
         namespace: None,
         name: String::from_utf8_lossy(value).chars().take(64).collect(),
     })
 }
+
+/// An owner key's value, strictly: a parentRef naming a resource and an object.
+fn parse_owner(value: &[u8]) -> Result<ParentRef, String> {
+    let p: ParentRef = serde_json::from_slice(value).map_err(|e| format!("not a parentRef: {e}"))?;
+    if p.resource.is_empty() || p.name.is_empty() {
+        return Err("a parentRef without a resource or a name".into());
+    }
+    Ok(p)
+}
+
+/// How long `/readyz` waits for etcd (the Deployment's probe gives up after 2 s).
+const READY_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// Why an allocation map may not be used, for the errors callers get.
+const MAP_CONSEQUENCE: &str = "no address of this range is allocated or released until the map is rebuilt: `clusterip repair --rebuild`";
+const OWNER_CONSEQUENCE: &str = "the address stays allocated; only an operator releases it (docs/operations.md, \"Corrupt records\")";
 
 struct Request {
     op: Op,
@@ -277,6 +302,9 @@ struct View {
     pools: BTreeMap<String, BTreeSet<IpAddr>>,
     /// Address → its owner key's owner (owners other than Services).
     owners: BTreeMap<IpAddr, ParentRef>,
+    /// Records under the range key that cannot be read: key → (kind, reason). While the map
+    /// itself is unreadable the range allocates and releases nothing (fails closed).
+    unreadable: BTreeMap<String, (&'static str, String)>,
 }
 
 impl View {
@@ -289,6 +317,12 @@ impl View {
     /// handed out a moment ago), another replica's as its pool key says.
     fn pooled(&self, ip: IpAddr, own: &OwnPool, own_member: Option<&str>, range: usize) -> bool {
         own.holds(range, ip) || self.pool_owner(ip).is_some_and(|m| Some(m) != own_member)
+    }
+
+    /// The error for any change to this range while its map is unreadable.
+    fn map_unreadable(&self, key: &str) -> Option<StoreError> {
+        let (_, reason) = self.unreadable.get(key)?;
+        Some(StoreError::Corrupt { record: format!("the allocation map stored at {key}"), reason: reason.clone(), consequence: MAP_CONSEQUENCE })
     }
 
     /// Allocated in the map and not held in anyone's pool: a record of some object.
@@ -369,7 +403,14 @@ impl EtcdStore {
         let mut tasks = Vec::new();
         for (index, cidr) in cidrs.iter().enumerate() {
             let key = range_key(&cfg.prefix, cidr);
-            let view = Arc::new(Mutex::new(View { map: AllocationMap::new(cidr.clone()), revision: 0, watched: 0, pools: BTreeMap::new(), owners: BTreeMap::new() }));
+            let view = Arc::new(Mutex::new(View {
+                map: AllocationMap::new(cidr.clone()),
+                revision: 0,
+                watched: 0,
+                pools: BTreeMap::new(),
+                owners: BTreeMap::new(),
+                unreadable: BTreeMap::new(),
+            }));
             let (tx, rx) = mpsc::channel(65536);
             let ctx = RangeCtx {
                 index,
@@ -485,22 +526,12 @@ impl EtcdStore {
             w.insert(ip, tx);
         }
         let claim = Claim { owner: owner.clone(), claimant: self.name.clone(), answer: None };
-        let body = serde_json::to_vec(&claim).map_err(|e| StoreError::Backend(format!("encoding a claim: {e}")))?;
-        let opts = self.pool.lease().map(|l| PutOptions::new().with_lease(l.id));
-        let txn = Txn::new()
-            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.clone(), body, opts)]);
         let mut client = self.client.clone();
-        let put = tokio::time::timeout(self.timeout, client.txn(txn)).await;
-        let created = match put {
-            Ok(Ok(r)) => r.succeeded(),
-            Ok(Err(e)) => {
+        let created = match self.write_claim(&mut client, &key, &claim).await {
+            Ok(created) => created,
+            Err(e) => {
                 lock(&self.waiters).remove(&ip);
                 return Err(StoreError::Unavailable(format!("claiming {ip} from the pool of {owner}: {e}")));
-            }
-            Err(_) => {
-                lock(&self.waiters).remove(&ip);
-                return Err(StoreError::Unavailable(format!("claiming {ip} from the pool of {owner}: no answer from etcd within {:?}", self.timeout)));
             }
         };
         if !created {
@@ -511,7 +542,7 @@ impl EtcdStore {
         let answer = tokio::time::timeout(CLAIM_TIMEOUT, answer).await;
         lock(&self.waiters).remove(&ip);
         if let Err(e) = tokio::time::timeout(self.timeout, client.delete(key.clone(), None)).await.map_err(|_| "timeout".to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-            debug!(%key, error = %e, "could not delete an answered claim; it is harmless and overwritten by the next claim");
+            debug!(%key, error = %e, "could not delete an answered claim; the next claim replaces it, and its lease ends it");
         }
         match answer {
             Ok(Ok(a)) => {
@@ -526,6 +557,45 @@ impl EtcdStore {
                 "{ip} is held in the address pool of replica {owner}, which did not answer a claim within {CLAIM_TIMEOUT:?}; retry"
             ))),
         }
+    }
+
+    /// Write `claim` at `key` unless a live claim is there: true when ours was written.
+    ///
+    /// Every claim hangs on a short lease of its own that nobody renews, so a claim left
+    /// behind (its claimant died, or its delete failed) is gone within [`CLAIM_LEASE_TTL_S`]
+    /// seconds. A claim that is finished already — answered, unreadable, an earlier one of
+    /// ours, or addressed to a replica that no longer pools the address — is replaced at
+    /// once (compare on its mod revision). So a stale claim never blocks an address.
+    async fn write_claim(&self, client: &mut Client, key: &str, claim: &Claim) -> Result<bool, String> {
+        let body = serde_json::to_vec(claim).map_err(|e| format!("encoding a claim: {e}"))?;
+        let within = |what: &'static str| move |_| format!("{what}: no answer from etcd within {:?}", self.timeout);
+        let lease = tokio::time::timeout(self.timeout, client.lease_grant(CLAIM_LEASE_TTL_S, None))
+            .await
+            .map_err(within("granting the claim's lease"))?
+            .map_err(|e| format!("granting the claim's lease: {e}"))?
+            .id();
+        let put = || TxnOp::put(key, body.clone(), Some(PutOptions::new().with_lease(lease)));
+        let txn = Txn::new().when([Compare::version(key, CompareOp::Equal, 0)]).and_then([put()]).or_else([TxnOp::get(key, None)]);
+        let resp = tokio::time::timeout(self.timeout, client.txn(txn)).await.map_err(within("writing the claim"))?.map_err(|e| e.to_string())?;
+        if resp.succeeded() {
+            return Ok(true);
+        }
+        let existing = resp.op_responses().into_iter().find_map(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())),
+            _ => None,
+        });
+        let Some((value, revision)) = existing else { return Ok(false) };
+        let finished = match serde_json::from_slice::<Claim>(&value) {
+            Ok(c) => c.answer.is_some() || c.claimant == claim.claimant || c.owner != claim.owner,
+            Err(_) => true,
+        };
+        if !finished {
+            return Ok(false);
+        }
+        debug!(%key, "replacing a finished claim");
+        let txn = Txn::new().when([Compare::mod_revision(key, CompareOp::Equal, revision)]).and_then([put()]);
+        let resp = tokio::time::timeout(self.timeout, client.txn(txn)).await.map_err(within("replacing a finished claim"))?.map_err(|e| e.to_string())?;
+        Ok(resp.succeeded())
     }
 
     /// An address from this replica's pool, queueing the pool key rewrite and the refill it
@@ -621,7 +691,78 @@ fn recorded_owner(parent: Option<&ParentRef>) -> Option<ParentRef> {
     parent.filter(|p| !p.is_service()).cloned()
 }
 
+/// What [`EtcdStore::rebuild_unreadable`] wrote for one range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rebuilt {
+    pub key: String,
+    /// Addresses in the new map.
+    pub addresses: usize,
+    /// Of those: held by the cluster (Services, IPAddress objects), recorded under an owner
+    /// key, listed in a replica's pool key (an address may count in more than one).
+    pub from_cluster: usize,
+    pub owned: usize,
+    pub pooled: usize,
+}
+
 impl EtcdStore {
+    /// Replace every unreadable allocation map with one rebuilt from what else records an
+    /// allocation: `cluster` (the addresses the cluster's Services and IPAddress objects
+    /// hold), the range's owner keys, and every replica's pool key (pooled addresses must
+    /// stay allocated: their replica may hand them out). Readable maps are left alone. The
+    /// write compares the unreadable value's mod revision, so a map someone rewrote
+    /// meanwhile is never overwritten. The running controllers' watches pick the new map up.
+    pub async fn rebuild_unreadable(&self, cluster: &BTreeSet<IpAddr>) -> Result<Vec<Rebuilt>, StoreError> {
+        let mut done = Vec::new();
+        for (i, r) in self.per_range.iter().enumerate() {
+            let cidr = &self.ranges.cidrs()[i];
+            let key = &r.key;
+            let resp = read(&mut self.client.clone(), key, Some(GetOptions::new().with_prefix()), self.timeout).await?;
+            let Some(stored) = resp.kvs().iter().find(|kv| kv.key() == key.as_bytes()) else { continue };
+            if AllocationMap::restore(cidr, stored.value()).is_ok() {
+                continue;
+            }
+            let mut map = AllocationMap::new(cidr.clone());
+            let (mut from_cluster, mut owned, mut pooled) = (0, 0, 0);
+            for ip in cluster.iter().filter(|ip| cidr.contains(**ip)) {
+                from_cluster += usize::from(map.allocate(*ip).is_ok() || map.has(*ip));
+            }
+            for kv in resp.kvs() {
+                let Ok(k) = kv.key_str() else { continue };
+                match classify(key, k) {
+                    Under::Owner(ip) => owned += usize::from(map.allocate(ip).is_ok() || map.has(ip)),
+                    Under::Pool(_) => {
+                        for ip in decode_pool(kv.value()) {
+                            pooled += usize::from(map.allocate(ip).is_ok() || map.has(ip));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            let txn = Txn::new()
+                .when([Compare::mod_revision(key.clone(), CompareOp::Equal, stored.mod_revision())])
+                .and_then([TxnOp::put(key.clone(), map.snapshot(), None)]);
+            let resp = match tokio::time::timeout(self.timeout, self.client.clone().txn(txn)).await {
+                Ok(Ok(resp)) => resp,
+                Ok(Err(e)) => return Err(StoreError::Unavailable(format!("writing the rebuilt map to {key}: {e}"))),
+                Err(_) => return Err(StoreError::Unavailable(format!("writing the rebuilt map to {key}: no answer within {:?}", self.timeout))),
+            };
+            if !resp.succeeded() {
+                return Err(StoreError::Unavailable(format!("{key} changed while it was being rebuilt; run the rebuild again")));
+            }
+            info!(%key, addresses = map.used(), "rebuilt an unreadable allocation map");
+            done.push(Rebuilt { key: key.clone(), addresses: map.used() as usize, from_cluster, owned, pooled });
+        }
+        Ok(done)
+    }
+
+    /// Whether range `range` may change: not while its map is unreadable.
+    fn usable(&self, range: usize) -> Result<(), StoreError> {
+        match lock(&self.per_range[range].view).map_unreadable(&self.per_range[range].key) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// After taking `ip` from a pool (ours, or another replica's by a claim): record its
     /// owner, if it has one to record.
     async fn own(&self, range: usize, ip: IpAddr, owner: Option<ParentRef>) -> Result<(), StoreError> {
@@ -658,6 +799,7 @@ impl AllocationStore for EtcdStore {
 
     async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
         let range = self.ranges.index_of(ip)?;
+        self.usable(range)?;
         let owner = recorded_owner(parent);
         if self.pool.take(range, ip) {
             // Ours, pooled: it is recorded already; the pool key is rewritten without it.
@@ -692,6 +834,11 @@ impl AllocationStore for EtcdStore {
         }
         let mut last = None;
         for range in self.ranges.of_family(family)? {
+            // Not even from the pool while the map is unreadable: what it held is unknown.
+            if let Err(e) = self.usable(range) {
+                last = Some(e);
+                continue;
+            }
             if let Some(ip) = self.pop_pooled(range) {
                 return Ok(ip);
             }
@@ -761,7 +908,10 @@ impl AllocationStore for EtcdStore {
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
         let member = self.pool.lease().map(|l| l.member());
         match self.ranges.index_of(ip) {
-            Ok(range) => Ok(lock(&self.per_range[range].view).records(ip, &self.pool, member.as_deref(), range)),
+            Ok(range) => {
+                self.usable(range)?;
+                Ok(lock(&self.per_range[range].view).records(ip, &self.pool, member.as_deref(), range))
+            }
             Err(_) => Ok(false),
         }
     }
@@ -770,6 +920,8 @@ impl AllocationStore for EtcdStore {
         let member = self.pool.lease().map(|l| l.member());
         let mut all = Vec::new();
         for (i, r) in self.per_range.iter().enumerate() {
+            // Not the last good copy of an unreadable map: what it holds now is unknown.
+            self.usable(i)?;
             let v = lock(&r.view);
             all.extend(v.map.iter().filter(|ip| v.records(*ip, &self.pool, member.as_deref(), i)));
         }
@@ -793,6 +945,24 @@ impl AllocationStore for EtcdStore {
             .collect())
     }
 
+    async fn ready(&self) -> Result<(), StoreError> {
+        for i in 0..self.per_range.len() {
+            self.usable(i)?;
+        }
+        // One linearizable read: answered only while etcd has a quorum.
+        let key = &self.per_range[0].key;
+        read(&mut self.client.clone(), key, Some(GetOptions::new().with_count_only()), self.timeout.min(READY_TIMEOUT)).await.map(|_| ())
+    }
+
+    fn unreadable(&self) -> Vec<Unreadable> {
+        let mut all = Vec::new();
+        for r in &self.per_range {
+            let v = lock(&r.view);
+            all.extend(v.unreadable.iter().map(|(k, (kind, reason))| Unreadable { kind, record: k.clone(), reason: reason.clone() }));
+        }
+        all
+    }
+
     async fn close(&self) -> Result<(), StoreError> {
         let n = self.return_pool().await?;
         if n > 0 {
@@ -810,8 +980,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Decode a stored value into a map for `cidr`.
 fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<AllocationMap, StoreError> {
-    AllocationMap::restore(cidr, value)
-        .map_err(|e| StoreError::Backend(format!("the allocation map stored at {key} is unreadable ({e}); it was left as it is")))
+    AllocationMap::restore(cidr, value).map_err(|e| StoreError::Corrupt {
+        record: format!("the allocation map stored at {key}"),
+        reason: e.to_string(),
+        consequence: MAP_CONSEQUENCE,
+    })
 }
 
 /// One key's value and mod revision (None when absent), within `timeout`.
@@ -878,12 +1051,22 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                     Ok(map) => {
                         v.map = map;
                         v.revision = mod_revision;
+                        if v.unreadable.remove(&ctx.key).is_some() {
+                            info!(key = %ctx.key, "the allocation map is readable again; allocating from it");
+                        }
                     }
-                    Err(e) => warn!(key = %ctx.key, error = %e, "ignoring an unreadable allocation map from the watch"),
+                    Err(e) => {
+                        // Keep the last good copy for reads, but change nothing until the
+                        // map is readable again: a write based on the old copy would drop
+                        // whatever was allocated since (fail closed).
+                        warn!(key = %ctx.key, error = %e, "the allocation map in etcd is unreadable; allocating nothing from this range until `clusterip repair --rebuild`");
+                        v.unreadable.insert(ctx.key.clone(), ("allocation_map", e.to_string()));
+                    }
                 },
                 None => {
                     v.map = AllocationMap::new(ctx.cidr.clone());
                     v.revision = 0;
+                    v.unreadable.remove(&ctx.key);
                 }
             }
         }
@@ -897,9 +1080,17 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
         },
         Under::Owner(ip) => match value {
             Some(value) => {
+                match parse_owner(value) {
+                    Ok(_) => v.unreadable.remove(key),
+                    Err(e) => {
+                        warn!(%key, error = %e, "an owner record in etcd is unreadable; its address stays allocated");
+                        v.unreadable.insert(key.to_string(), ("owner", e))
+                    }
+                };
                 v.owners.insert(ip, decode_owner(value));
             }
             None => {
+                v.unreadable.remove(key);
                 v.owners.remove(&ip);
             }
         },
@@ -950,24 +1141,36 @@ async fn answer_claim(ctx: RangeCtx, key: String, ip: IpAddr, claim: Claim) {
 async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
     let key = &ctx.key;
     let resp = read(&mut ctx.client.clone(), key, Some(GetOptions::new().with_prefix()), ctx.timeout).await?;
-    let mut map = AllocationMap::new(ctx.cidr.clone());
+    let mut map = Some(AllocationMap::new(ctx.cidr.clone()));
     let mut revision = 0;
+    let mut unreadable = BTreeMap::new();
     let mut rest = Vec::new();
     for kv in resp.kvs() {
         let Ok(k) = kv.key_str() else { continue };
         match classify(key, k) {
-            Under::Map => {
-                map = decode(key, &ctx.cidr, kv.value())?;
-                revision = kv.mod_revision();
-            }
+            Under::Map => match AllocationMap::restore(&ctx.cidr, kv.value()) {
+                Ok(m) => {
+                    map = Some(m);
+                    revision = kv.mod_revision();
+                }
+                Err(e) => {
+                    warn!(%key, error = %e, "the allocation map in etcd is unreadable; allocating nothing from this range until `clusterip repair --rebuild`");
+                    unreadable.insert(key.clone(), ("allocation_map", e.to_string()));
+                    map = None;
+                }
+            },
             Under::Other => {}
             _ => rest.push((k.to_string(), kv.value().to_vec(), kv.mod_revision())),
         }
     }
     {
         let mut v = lock(&ctx.view);
-        v.map = map;
-        v.revision = revision;
+        // An unreadable map keeps the last good copy (and its revision) for reads.
+        if let Some(map) = map {
+            v.map = map;
+            v.revision = revision;
+        }
+        v.unreadable = unreadable;
         v.pools.clear();
         v.owners.clear();
         v.watched = resp.header().map(|h| h.revision()).unwrap_or(revision);
@@ -976,6 +1179,15 @@ async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
         apply(ctx, &k, Some(&value), rev);
     }
     Ok(())
+}
+
+/// One batch's error, as each of its callers gets it (the kind kept, the text whole).
+fn for_each_caller(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Corrupt { record, reason, consequence } => StoreError::Corrupt { record: record.clone(), reason: reason.clone(), consequence },
+        e if e.is_transient() => StoreError::Unavailable(e.to_string()),
+        e => StoreError::Backend(e.to_string()),
+    }
 }
 
 struct Committer {
@@ -1018,12 +1230,9 @@ impl Committer {
                     }
                 }
                 Err(e) => {
-                    let text = e.to_string();
-                    let transient = e.is_transient();
                     for req in batch {
-                        let err = if transient { StoreError::Unavailable(text.clone()) } else { StoreError::Backend(text.clone()) };
                         if let Some(reply) = req.reply {
-                            let _ = reply.send(Err(err));
+                            let _ = reply.send(Err(for_each_caller(&e)));
                         }
                     }
                 }
@@ -1059,6 +1268,9 @@ impl Committer {
             }
             let (mut map, revision, mut owners) = {
                 let v = lock(&self.ctx.view);
+                if let Some(e) = v.map_unreadable(&key) {
+                    return Err(e);
+                }
                 (v.map.clone(), v.revision, v.owners.clone())
             };
             let lease = self.ctx.pool.lease();
@@ -1096,6 +1308,13 @@ impl Committer {
                     Op::Release(ip, releaser) => {
                         let okey = owner_key(&key, *ip);
                         match (owners.get(ip), releaser) {
+                            (Some(o), _) if o.resource == UNREADABLE_OWNER => {
+                                return Err(StoreError::Corrupt {
+                                    record: format!("the owner record {okey}"),
+                                    reason: "not a parentRef".into(),
+                                    consequence: OWNER_CONSEQUENCE,
+                                })
+                            }
                             (Some(o), None) => return Err(StoreError::NotOwner { ip: *ip, owner: o.clone() }),
                             (Some(o), Some(r)) if o != r => return Err(StoreError::NotOwner { ip: *ip, owner: o.clone() }),
                             (Some(o), Some(_)) => {
@@ -1241,7 +1460,15 @@ impl Committer {
             let prefix = owner_prefix(&key);
             let now_owned: Option<BTreeMap<IpAddr, ParentRef>> = gets.next().map(|g| owners_in(&prefix, g.kvs()).collect());
             let (map, revision) = match current {
-                Some((value, rev)) => (decode(&key, &self.ctx.cidr, &value)?, rev),
+                Some((value, rev)) => match decode(&key, &self.ctx.cidr, &value) {
+                    Ok(map) => (map, rev),
+                    Err(e) => {
+                        if let StoreError::Corrupt { reason, .. } = &e {
+                            lock(&self.ctx.view).unreadable.insert(key.clone(), ("allocation_map", reason.clone()));
+                        }
+                        return Err(e);
+                    }
+                },
                 None => (AllocationMap::new(self.ctx.cidr.clone()), 0),
             };
             let mut v = lock(&self.ctx.view);

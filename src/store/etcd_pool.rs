@@ -36,6 +36,9 @@ pub const LEASE_TTL: Duration = Duration::from_secs(30);
 pub const LEASE_MARGIN: Duration = Duration::from_secs(10);
 /// How long a claimant waits for the owner's answer.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(2);
+/// TTL of the lease each claim key hangs on (never renewed): a claim left behind by a
+/// claimant that died, or whose delete failed, is gone after this many seconds.
+pub const CLAIM_LEASE_TTL_S: i64 = 15;
 
 /// The pool a range keeps for a requested size: at most an eighth of its dynamic band, so
 /// a small range is not emptied into replicas' reserves (0 when the band is that small).

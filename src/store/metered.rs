@@ -14,15 +14,25 @@ use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
 pub struct MeteredStore {
     inner: Arc<dyn AllocationStore>,
     metrics: Arc<Metrics>,
+    /// The cluster's IPAddress view, when the store does not report its unreadable objects
+    /// itself (the etcd backend).
+    recorded: Option<super::apiserver_ips::ApiserverIps>,
 }
 
 impl MeteredStore {
     pub fn new(inner: Arc<dyn AllocationStore>, metrics: Arc<Metrics>) -> Self {
-        Self { inner, metrics }
+        Self { inner, metrics, recorded: None }
+    }
+
+    /// Also report the unreadable IPAddress objects `recorded` sees.
+    pub fn with_recorded(mut self, recorded: super::apiserver_ips::ApiserverIps) -> Self {
+        self.recorded = Some(recorded);
+        self
     }
 
     /// Refresh the allocated/available gauges from the store.
     pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
+        self.metrics.set_unreadable(&self.unreadable());
         for u in self.inner.usage().await? {
             self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free, u.pooled);
         }
@@ -91,6 +101,16 @@ impl AllocationStore for MeteredStore {
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
         self.inner.usage().await
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        self.inner.ready().await
+    }
+
+    fn unreadable(&self) -> Vec<super::Unreadable> {
+        let mut all = self.inner.unreadable();
+        all.extend(self.recorded.iter().flat_map(|r| r.unreadable()));
+        all
     }
 
     async fn close(&self) -> Result<(), StoreError> {

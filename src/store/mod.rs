@@ -95,9 +95,26 @@ pub enum StoreError {
     /// A release by someone other than the address's recorded owner: nothing was released.
     #[error("{ip} is held by {owner}; only its owner releases it (pass --parent {owner})")]
     NotOwner { ip: IpAddr, owner: ParentRef },
+    /// A stored record could not be read. The allocator does not guess what it held: it
+    /// refuses to allocate from (or release through) that record until it is readable again
+    /// (`clusterip repair --rebuild` for an allocation map; docs/operations.md).
+    #[error("{record} is unreadable ({reason}); {consequence}")]
+    Corrupt { record: String, reason: String, consequence: &'static str },
     /// Anything else from the backend, with its text.
     #[error("{0}")]
     Backend(String),
+}
+
+/// A stored record the backend cannot read (see [`StoreError::Corrupt`]), as reported by
+/// [`AllocationStore::unreadable`] and the `clusterip_allocator_unreadable_records` gauge.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unreadable {
+    /// What kind of record: `allocation_map`, `owner`, `pool`, `ipaddress`.
+    pub kind: &'static str,
+    /// Where it is (the etcd key, the object's name).
+    pub record: String,
+    /// What is wrong with it.
+    pub reason: String,
 }
 
 impl StoreError {
@@ -164,11 +181,53 @@ pub trait AllocationStore: Send + Sync {
     /// Allocated and free addresses per range.
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError>;
 
+    /// Whether the store can serve allocations now, checked against the backend itself (one
+    /// round trip, not a cache): the controller's `/readyz`. Backends without a better check
+    /// answer a usage query.
+    async fn ready(&self) -> Result<(), StoreError> {
+        self.usage().await.map(|_| ())
+    }
+
+    /// Stored records the backend found unreadable (and so refuses to act on).
+    fn unreadable(&self) -> Vec<Unreadable> {
+        Vec::new()
+    }
+
     /// Hand back anything held ahead of need (the etcd backend's address pool) before the
     /// process exits. Nothing to do for most backends.
     async fn close(&self) -> Result<(), StoreError> {
         Ok(())
     }
+}
+
+/// Record every address of `ips` that lies in the store's ranges and is not recorded yet,
+/// without an owner (the controller's start: what the cluster already holds). All requests
+/// are in flight at once, so the etcd backend's group commit makes them durable in as few
+/// transactions as its batch size allows (one per range for up to `--etcd-max-batch`
+/// addresses), never one per address; addresses already recorded cost nothing. Returns
+/// how many were recorded and the errors of those that could not be (an address recorded
+/// meanwhile is not an error).
+pub async fn record_missing(store: &dyn AllocationStore, ips: impl IntoIterator<Item = IpAddr>) -> (usize, Vec<(IpAddr, StoreError)>) {
+    use futures::StreamExt;
+    let ranges = store.ranges();
+    let mut missing = Vec::new();
+    for ip in ips.into_iter().filter(|ip| ranges.iter().any(|c| c.contains(*ip))) {
+        if !matches!(store.has(ip).await, Ok(true)) {
+            missing.push(ip);
+        }
+    }
+    let results: Vec<(IpAddr, Result<(), StoreError>)> =
+        futures::stream::iter(missing).map(|ip| async move { (ip, store.allocate(ip, None).await) }).buffer_unordered(4096).collect().await;
+    let mut recorded = 0;
+    let mut failed = Vec::new();
+    for (ip, r) in results {
+        match r {
+            Ok(()) => recorded += 1,
+            Err(StoreError::Alloc(AllocError::Allocated)) => {}
+            Err(e) => failed.push((ip, e)),
+        }
+    }
+    (recorded, failed)
 }
 
 /// How full one range is.

@@ -159,6 +159,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// How long `/readyz` waits for the kube-apiserver (the Deployment's probe gives up after 2 s).
+const READY_TIMEOUT: Duration = Duration::from_millis(1500);
+
 fn api_err(what: &str, e: kube::Error) -> StoreError {
     match e {
         kube::Error::Api(s) => StoreError::Backend(format!("{what}: {} ({})", s.message, s.code)),
@@ -476,6 +479,20 @@ impl AllocationStore for LeaseReservations {
         all.sort();
         all.dedup();
         Ok(all)
+    }
+
+    fn unreadable(&self) -> Vec<super::Unreadable> {
+        self.recorded.unreadable()
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        // One round trip to the kube-apiserver, bounded: the kube client has no read timeout.
+        let one = ListParams::default().labels(RESERVATION_LABEL).limit(1);
+        match tokio::time::timeout(READY_TIMEOUT, self.api.list_metadata(&one)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(api_err("listing reservation Leases", e)),
+            Err(_) => Err(StoreError::Unavailable(format!("listing reservation Leases: the kube-apiserver did not answer within {READY_TIMEOUT:?}"))),
+        }
     }
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {

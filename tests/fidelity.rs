@@ -13,7 +13,9 @@
 //! Addresses: the webhook assigns from 198.19.120.0/22 and fd00:10:96::c000/118 (no other
 //! test uses them); the oracle side's static addresses are 198.19.124.x / fd00:10:96::c4xx,
 //! outside our ranges and inside the apiserver's 198.19.0.0/16 and fd00:10:96::/112. Every
-//! static address is used by one case on one side only.
+//! static address is used by one case on one side only, and only if no IPAddress records it
+//! when the case begins (`Side::fill`): the shared cluster's other Services may hold any
+//! address of the apiserver's dynamic band.
 
 mod controller_common;
 
@@ -23,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Client;
 use serde_json::{json, Value};
@@ -104,27 +107,41 @@ impl Side {
 
     /// `spec` with its tokens replaced by fresh addresses of this side: {A}, {A2} (IPv4),
     /// {X} (IPv6), {XNC} (an IPv6 address spelled non-canonically), and the fixed ones.
-    fn fill(&mut self, text: &str) -> String {
+    ///
+    /// A fresh address is one no IPAddress records now: the shared cluster keeps every
+    /// Service other tests left (namespaces are never finalized without
+    /// kube-controller-manager), and the apiserver's own dynamic picks — this test's stock
+    /// side's among them — land anywhere in its dynamic band, which holds these addresses.
+    /// Nothing else allocates while this test runs (test binaries run one at a time, the two
+    /// backends' runs one after the other), so a free address stays free for the case.
+    async fn fill(&mut self, client: &Client, text: &str) -> String {
         let mut out = text.to_string();
         for tok in ["{A}", "{A2}"] {
             if out.contains(tok) {
-                let ip = std::net::Ipv4Addr::from(self.v4_base + self.next4).to_string();
-                self.next4 += 1;
+                let ip = loop {
+                    let ip = IpAddr::from(std::net::Ipv4Addr::from(self.v4_base + self.next4));
+                    self.next4 += 1;
+                    if unrecorded(client, ip).await {
+                        break ip.to_string();
+                    }
+                };
                 out = out.replace(tok, &ip);
                 self.tokens.insert(tok.into(), ip);
             }
         }
-        if out.contains("{X}") {
-            let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6).to_string();
-            self.next6 += 1;
-            out = out.replace("{X}", &ip);
-            self.tokens.insert("{X}".into(), ip);
-        }
-        if out.contains("{XNC}") {
-            let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6).to_string().replacen("::", ":0::", 1);
-            self.next6 += 1;
-            out = out.replace("{XNC}", &ip);
-            self.tokens.insert("{XNC}".into(), ip);
+        for (tok, spelled) in [("{X}", false), ("{XNC}", true)] {
+            if out.contains(tok) {
+                let ip = loop {
+                    let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6);
+                    self.next6 += 1;
+                    if unrecorded(client, IpAddr::from(ip)).await {
+                        break ip;
+                    }
+                };
+                let text = if spelled { ip.to_string().replacen("::", ":0::", 1) } else { ip.to_string() };
+                out = out.replace(tok, &text);
+                self.tokens.insert(tok.into(), text);
+            }
         }
         for (tok, ip) in &self.fixed {
             if out.contains(tok) {
@@ -135,7 +152,8 @@ impl Side {
         out
     }
 
-    /// Every static address this side may use (freed before the run).
+    /// The static addresses this side may use (an earlier run's leftovers among them are
+    /// freed before the run).
     fn statics(&self) -> Vec<String> {
         let mut v: Vec<String> = (1..64).map(|n| std::net::Ipv4Addr::from(self.v4_base + n).to_string()).collect();
         v.extend((1..64u128).map(|n| std::net::Ipv6Addr::from(self.v6_base + n).to_string()));
@@ -362,7 +380,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
     let path = format!("/api/v1/namespaces/{}/services", side.namespace);
     let req = kube::core::Request::new(&path);
     let name = format!("fid-{}", case.name);
-    let spec = side.fill(case.spec);
+    let spec = side.fill(client, case.spec).await;
     let (pp, dry) = (PostParams::default(), PostParams { dry_run: true, ..Default::default() });
     let (code, body, dry_run) = match case.step {
         Step::Create => {
@@ -382,7 +400,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
         Step::Patch(patch) => {
             let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
-            let patch: Value = serde_json::from_str(&side.fill(patch)).expect("patch");
+            let patch: Value = serde_json::from_str(&side.fill(client, patch).await).expect("patch");
             let (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
             (c, b, false)
         }
@@ -414,7 +432,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
             for (i, patch) in patches.iter().enumerate() {
                 let text = side.fill_keep(patch);
-                let patch: Value = serde_json::from_str(&side.fill(&text)).expect("patch");
+                let patch: Value = serde_json::from_str(&side.fill(client, &text).await).expect("patch");
                 (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
                 assert!(i + 1 == patches.len() || c == 200, "{}: patch {i} failed: {b}", case.name);
             }
@@ -424,7 +442,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             let holder_name = format!("{name}-holder");
             // The case's addresses, and fresh ones for tokens only the holder has.
             let holder = side.fill_keep(holder);
-            let holder = side.fill(&holder);
+            let holder = side.fill(client, &holder).await;
             let (c, b) = send(client, req.create(&pp, service_body(&holder_name, &holder))).await;
             assert_eq!(c, 201, "{}: the holder was not created: {b}", case.name);
             let patch: Value = serde_json::from_str(&side.fill_keep(patch)).expect("patch");
@@ -514,6 +532,24 @@ impl Drop for Webhook {
     }
 }
 
+/// Whether no IPAddress records `ip` now (read from storage).
+async fn unrecorded(client: &Client, ip: IpAddr) -> bool {
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    addrs.get_opt(&ip.to_string()).await.expect("read IPAddress").is_none()
+}
+
+/// If `ip` is held by a Service of an earlier run of this test (`fid-…`), delete that
+/// Service and wait until the address is free. The fixed stock addresses (the IPv6 all-ones
+/// address) must be freed so; the others are skipped by `fill` when held.
+async fn free_fidelity_leftover(client: &Client, ip: &str) {
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    if let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") {
+        if rec.spec.parent_ref.resource == "services" && rec.spec.parent_ref.name.starts_with("fid-") {
+            free_leftover(client, ip, |p| p.name.starts_with("fid-")).await;
+        }
+    }
+}
+
 async fn create_namespace(client: &Client, name: &str, labels: Value) {
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("namespace");
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create namespace");
@@ -564,8 +600,9 @@ async fn matches_stock(layout: &Layout) {
         ],
     );
     for ip in ours.statics().into_iter().chain(stock.statics()) {
-        // A Service named `fid-…` holding it is an earlier run's (on a reused cluster).
-        free_leftover(&client, &ip, |p| p.name.starts_with("fid-")).await;
+        // A Service named `fid-…` holding it is an earlier run's (on a reused cluster); an
+        // address anyone else holds is skipped when the cases are filled in.
+        free_fidelity_leftover(&client, &ip).await;
     }
     let cases = cases();
     let (mut matched, mut unexpected, mut deliberate) = (0, Vec::new(), Vec::new());

@@ -49,6 +49,10 @@ struct Layout {
     stock_out: &'static str,
 }
 
+/// An address in the apiserver's range outside every range of ours: refused by our webhook
+/// (and only by it) with "The range of valid IPs is …", which shows the webhook is called.
+const PROBE: &str = "198.19.200.5";
+
 const ETCD: Layout = Layout {
     backend: "etcd",
     our_v4: "198.19.120.0/22",
@@ -475,11 +479,16 @@ struct Webhook {
 
 impl Webhook {
     async fn start(cp: &ControlPlane, layout: &Layout) -> Webhook {
+        Self::start_for(cp, layout.backend, &format!("{},{}", layout.our_v4, layout.our_v6), PROBE).await
+    }
+
+    /// Our controller with `backend` over `ranges` (the first one IPv4); `probe` as [`PROBE`].
+    async fn start_for(cp: &ControlPlane, backend: &str, ranges: &str, probe: &str) -> Webhook {
         let client = cp.client().await;
-        let name = unique_name(&format!("fidelity-{}", layout.backend));
+        let name = unique_name(&format!("fidelity-{backend}"));
         let pki = cp.dir().join("pki");
-        let ranges = format!("{},{}", layout.our_v4, layout.our_v6);
-        let mut args = controller_common::controller_args(cp, layout.backend, &ranges, &name, "default", "replica-0", &cp.kubeconfig());
+        let our_v4 = ranges.split(',').next().unwrap_or_default().to_string();
+        let mut args = controller_common::controller_args(cp, backend, ranges, &name, "default", "replica-0", &cp.kubeconfig());
         // Only the kube-apiserver's client certificate makes the webhook act.
         args.extend(controller_common::client_auth_args(cp));
         let child = Controller::start(args);
@@ -507,8 +516,9 @@ impl Webhook {
         let path = format!("/api/v1/namespaces/{name}/services");
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", r#"{"clusterIP":"198.19.200.5"}"#))).await;
-            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {}", layout.our_v4)) {
+            let spec = json!({"clusterIP": probe}).to_string();
+            let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", &spec))).await;
+            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {our_v4}")) {
                 return wh;
             }
             assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s: {code} {body}");
@@ -625,4 +635,61 @@ async fn matches_stock(layout: &Layout) {
         eprintln!("fidelity ({} backend): deliberate difference: {d}", layout.backend);
     }
     assert!(unexpected.is_empty(), "unexpected differences from stock Kubernetes:\n{}", unexpected.join("\n"));
+}
+
+/// A full range, compared with stock Kubernetes on a control plane of its own whose
+/// apiserver range is a /28: the stock side fills it with dynamic creates, then each
+/// backend's webhook fills a /28 of ours (a ServiceCIDR of its own, created after the stock
+/// side is full, so the apiserver's own allocator never reaches it first), and the next
+/// create on each side is compared — stock answers 500 "Internal error occurred: failed to
+/// allocate a serviceIP: range is full".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_range_is_answered_as_stock_kubernetes_answers_it() {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let cp = ControlPlane::private_with("fidelity-full", &[("CLUSTERIP_APISERVER_SERVICE_CIDRS", "198.19.144.0/28")]);
+    let client = cp.client().await;
+    // Creates `fid-full-<n>` until one fails; then the compared create, `fid-full`.
+    let fill_then_create = |side: Side| {
+        let client = client.clone();
+        async move {
+            let path = format!("/api/v1/namespaces/{}/services", side.namespace);
+            let req = kube::core::Request::new(&path);
+            let mut stored = 0;
+            loop {
+                let (c, b) = send(&client, req.create(&PostParams::default(), service_body(&format!("fid-full-{stored}"), "{}"))).await;
+                if c != 201 {
+                    assert!(stored >= 13, "{}: only {stored} creates succeeded before {c} {b}", side.namespace);
+                    break;
+                }
+                stored += 1;
+                assert!(stored <= 14, "{}: more than a /28's 14 addresses given", side.namespace);
+            }
+            let (c, b) = send(&client, req.create(&PostParams::default(), service_body("fid-full", "{}"))).await;
+            let ours = side.ours.is_some();
+            (stored, outcome(&side, c, &b, ours, false))
+        }
+    };
+    let no_fixed = || [("{NET}", String::new()), ("{BCAST}", String::new()), ("{NET6}", String::new()), ("{ONES6}", String::new()), ("{OUT}", String::new())];
+    let stock_ns = unique_name("fid-full-stock");
+    create_namespace(&client, &stock_ns, json!({})).await;
+    let (stock_stored, want) = fill_then_create(Side::new(stock_ns, "198.19.144.0", "fd00::", no_fixed())).await;
+    let message = match &want {
+        Outcome::Failed { code: 500, message, .. } => message.clone(),
+        other => panic!("stock Kubernetes did not refuse a create in its full range with 500: {other:?}"),
+    };
+    assert!(message.contains("range is full"), "{message}");
+    eprintln!("fidelity (full range): stock Kubernetes, {stock_stored} Services stored, then: {want:?}");
+
+    for (backend, ours) in [("etcd", "198.19.144.16/28"), ("ipaddress", "198.19.144.32/28")] {
+        let sc: ServiceCIDR = serde_json::from_value(json!({"metadata": {"name": format!("fid-full-{backend}")}, "spec": {"cidrs": [ours]}})).expect("ServiceCIDR");
+        Api::<ServiceCIDR>::all(client.clone()).create(&PostParams::default(), &sc).await.expect("create our ServiceCIDR");
+        // In the apiserver's range (full, so never given by it), outside ours.
+        let wh = Webhook::start_for(&cp, backend, ours, "198.19.144.5").await;
+        let mut side = Side::new(wh.name.clone(), "198.19.144.0", "fd00::", no_fixed());
+        side.ours = Some([ServiceCidr::parse(ours).expect("ours"), ServiceCidr::parse("fd00:10:96::/112").expect("v6")]);
+        let (stored, got) = fill_then_create(side).await;
+        eprintln!("fidelity (full range, {backend} backend): {stored} Services stored, then: {got:?}");
+        assert_eq!(stored, 14, "{backend}: a /28 of ours holds 14 Services");
+        assert_eq!(got, want, "{backend}: a create in a full range is not answered as stock Kubernetes answers it");
+    }
 }

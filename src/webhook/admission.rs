@@ -113,6 +113,23 @@ fn deny(req: &AdmissionRequest<Service>, code: u16, reason: &str, message: Strin
     resp
 }
 
+/// A dynamic address could not be had. Stock Kubernetes (v1.37) answers a full range with
+/// its `NewInternalError`: 500 InternalError, the message `Internal error occurred: failed
+/// to allocate a serviceIP for Service "<name>": range is full`, and the inner text as the
+/// one cause, with no kind or name in the details. A store that cannot answer now (etcd
+/// unreachable, say) is ours alone: 503 ServiceUnavailable with the same inner text, safe
+/// to retry.
+fn allocation_failed(req: &AdmissionRequest<Service>, err: &StoreError) -> AdmissionResponse {
+    let inner = format!("failed to allocate a serviceIP for Service \"{}\": {err}", service_name(req));
+    let (code, reason, message) = if err.is_transient() { (503, "ServiceUnavailable", inner.clone()) } else { (500, "InternalError", format!("Internal error occurred: {inner}")) };
+    let mut resp = deny(req, code, reason, message, vec![StatusCause { field: String::new(), message: inner, reason: String::new() }]);
+    if let Some(details) = resp.result.details.as_mut() {
+        details.kind.clear();
+        details.name.clear();
+    }
+    resp
+}
+
 fn invalid(req: &AdmissionRequest<Service>, errs: &[FieldError]) -> AdmissionResponse {
     let name = service_name(req);
     let list = errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", ");
@@ -396,11 +413,7 @@ impl Admission {
                     self.rollback(&recorded_here, &parent).await;
                     return match ip {
                         Some(ip) => static_failure(req, &requested, ip, &err),
-                        None => {
-                            let code = if err.is_transient() { 503 } else { 500 };
-                            let reason = if err.is_transient() { "ServiceUnavailable" } else { "InternalError" };
-                            deny(req, code, reason, format!("Internal error occurred: failed to allocate a serviceIP: {err}"), vec![])
-                        }
+                        None => allocation_failed(req, &err),
                     };
                 }
             }

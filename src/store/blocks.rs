@@ -234,6 +234,8 @@ pub struct BlockStore {
     acquiring: Vec<tokio::sync::Mutex<()>>,
     me: Weak<BlockStore>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The runtime [`BlockStore::open`] ran on: background work goes there.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Drop for BlockStore {
@@ -289,6 +291,7 @@ impl BlockStore {
             acquiring,
             me: weak.clone(),
             task: Mutex::new(None),
+            runtime: tokio::runtime::Handle::current(),
         });
         me.observe().await?;
         if let Some(every) = options.renew_every {
@@ -323,7 +326,9 @@ impl BlockStore {
     }
 
     /// Pick a free address of range `range` from a usable block, in memory. Returns the
-    /// address and whether the range runs low (less than a quarter block left).
+    /// address and whether the replica runs low: less than a whole block's worth left in its
+    /// usable blocks of the range, so the next block is taken while this one still answers
+    /// (a burst of one block's size never waits for a Lease and a consistent list).
     fn pick(&self, range: usize, parent: Option<&ParentRef>) -> (Option<IpAddr>, bool) {
         let now = Instant::now();
         let cidr = &self.ranges.cidrs()[range];
@@ -354,17 +359,18 @@ impl BlockStore {
             st.pending.insert(ip, Pending { parent: parent.cloned() });
         }
         let free = self.free_in(&st, range, now);
-        (chosen.map(|c| c.2), free < self.options.size.div_ceil(4))
+        (chosen.map(|c| c.2), free < self.options.size)
     }
 
     /// Free addresses of `range` in usable blocks.
     fn free_in(&self, st: &State, range: usize, now: Instant) -> u64 {
-        let cidr = &self.ranges.cidrs()[range];
-        st.held
-            .iter()
-            .filter(|h| h.range == range && self.usable(h, now))
-            .map(|h| (h.span.first..h.span.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !self.taken(st, ip))).count() as u64)
-            .sum()
+        st.held.iter().filter(|h| h.range == range && self.usable(h, now)).map(|h| self.free_of(st, h)).sum()
+    }
+
+    /// Free addresses of one held block.
+    fn free_of(&self, st: &State, h: &Held) -> u64 {
+        let cidr = &self.ranges.cidrs()[h.range];
+        (h.span.first..h.span.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !self.taken(st, ip))).count() as u64
     }
 
     /// Take one more block of `range`: a block observed unchanged for the lease duration
@@ -372,10 +378,13 @@ impl BlockStore {
     /// when every block is held.
     async fn acquire(&self, range: usize) -> Result<bool, StoreError> {
         let _one = self.acquiring[range].lock().await;
-        self.acquire_locked(range).await
+        self.acquire_locked(range, Need::Now).await
     }
 
-    async fn acquire_locked(&self, range: usize) -> Result<bool, StoreError> {
+    /// See [`Self::acquire`]; the caller holds `acquiring[range]`. Ahead of need, a free
+    /// block is taken only while at least two are free: the last one is left to a replica
+    /// that has none.
+    async fn acquire_locked(&self, range: usize, need: Need) -> Result<bool, StoreError> {
         let cidr = self.ranges.cidrs()[range].clone();
         let size = self.options.size;
         let (dynamic, total) = layout(&cidr, size);
@@ -392,6 +401,9 @@ impl BlockStore {
                 self.take_over(range, old).await?
             } else {
                 // A random free block, the dynamic band's first (fewer replicas meet on one).
+                if need == Need::Ahead && total.saturating_sub(busy.len() as u64) < 2 {
+                    return Ok(false);
+                }
                 let Some(index) = free_block(&busy, dynamic, total) else { return Ok(false) };
                 self.create(range, index).await?
             };
@@ -622,25 +634,26 @@ impl BlockStore {
     }
 
     /// Give back blocks nothing was picked from for a lease duration, with no pick pending,
-    /// while another usable block of the same range is held.
+    /// while the other usable blocks of the same range still have a whole block's worth free
+    /// (so giving one back never makes the replica run low and take another at once).
     async fn give_back_idle(&self) -> Vec<String> {
         let now = Instant::now();
         let chosen: Vec<(String, Lease)> = {
             let mut st = lock(&self.state);
-            let pending: Vec<IpAddr> = st.pending.keys().copied().collect();
             let mut out = Vec::new();
             for range in 0..self.ranges.cidrs().len() {
                 let cidr = &self.ranges.cidrs()[range];
-                let usable_count = st.held.iter().filter(|h| h.range == range && self.usable(h, now)).count();
-                if usable_count < 2 {
-                    continue;
-                }
-                if let Some(h) = st.held.iter_mut().find(|h| {
+                let in_block = |ip: &IpAddr, h: &Held| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end);
+                let free_in_range = self.free_in(&st, range, now);
+                let idle = st.held.iter().position(|h| {
                     h.range == range
-                        && !h.returning
+                        && self.usable(h, now)
                         && now.saturating_duration_since(h.last_pick) >= self.options.lease_duration
-                        && !pending.iter().any(|ip| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end))
-                }) {
+                        && !st.pending.keys().any(|ip| in_block(ip, h))
+                        && free_in_range.saturating_sub(self.free_of(&st, h)) >= self.options.size
+                });
+                if let Some(i) = idle {
+                    let h = &mut st.held[i];
                     h.returning = true;
                     out.push((h.name.clone(), h.lease.clone()));
                 }
@@ -665,6 +678,15 @@ enum Renewal {
     Renewed,
     Lost,
     Failed,
+}
+
+/// Why a block is being taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    /// An admission waits for it (or the replica holds none of the range).
+    Now,
+    /// The replica runs low; its blocks still answer.
+    Ahead,
 }
 
 /// A free block index: a random dynamic one not in `busy`, else the first free static one.
@@ -724,11 +746,14 @@ impl AllocationStore for BlockStore {
             loop {
                 let (ip, low) = self.pick(range, parent);
                 if low {
-                    // Take the next block ahead of need, unless one is being taken already.
+                    // Take the next block ahead of need, unless one is being taken already —
+                    // on the runtime the store was opened on: the answer's own runtime (the
+                    // webhook's thread) is not held by a Lease write and a list of every
+                    // IPAddress.
                     if let Some(me) = self.me.upgrade() {
-                        tokio::spawn(async move {
+                        self.runtime.spawn(async move {
                             let Ok(_one) = me.acquiring[range].try_lock() else { return };
-                            if let Err(e) = me.acquire_locked(range).await {
+                            if let Err(e) = me.acquire_locked(range, Need::Ahead).await {
                                 warn!(error = %e, "could not take another address block ahead of need");
                             }
                         });
@@ -744,7 +769,7 @@ impl AllocationStore for BlockStore {
                 if let Some(ip) = ip {
                     return Ok(ip);
                 }
-                if !self.acquire_locked(range).await? {
+                if !self.acquire_locked(range, Need::Now).await? {
                     break;
                 }
             }

@@ -19,7 +19,6 @@ pub mod legacy;
 pub mod memory;
 pub mod metered;
 mod ranges;
-pub mod reservations;
 
 use std::net::IpAddr;
 

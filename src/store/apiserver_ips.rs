@@ -5,8 +5,8 @@
 //! The set is a *view*: it lags the apiserver by the watch's delay, so it serves as a hint
 //! (which candidates to skip, when to look again) and never as the deciding read. Where a
 //! decision must not be made on a stale picture, callers read the IPAddress itself from the
-//! apiserver (see `reservations.rs` and docs/backends.md, "Decisions on a possibly stale
-//! view").
+//! apiserver (`ApiserverIps::recorded_now`; `blocks.rs` lists them before answering from a
+//! block; docs/backends.md, "Decisions on a possibly stale view").
 
 use std::collections::HashSet;
 use std::net::IpAddr;

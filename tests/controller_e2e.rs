@@ -95,9 +95,24 @@ impl Webhook {
     }
 
     /// Forward new connections only to these replicas, and cut the open connections to the
-    /// others (the apiserver reconnects, through the proxy, to one of these).
-    fn route_only(&self, replicas: &[usize]) {
+    /// others (the apiserver reconnects, through the proxy, to one of these) — as a Service
+    /// whose endpoint went away would, with the cut instead of a timeout.
+    ///
+    /// Returns once the apiserver calls the webhook through the new routes: a connection it
+    /// had pooled and not yet seen closed when the cut came can take one more request, which
+    /// fails in transport ("broken pipe"); that is this proxy's doing, not the webhook's.
+    /// So rounds of 32 concurrent dry-run creates (the webhook answers them, nothing is
+    /// stored) go until one round passes whole.
+    async fn route_only(&self, replicas: &[usize]) {
         self.routes.send_replace(replicas.iter().map(|&i| self.ports[i]).collect());
+        let api = self.services();
+        let dry = PostParams { dry_run: true, ..Default::default() };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let round = futures::future::join_all((0..32).map(|i| api.create(&dry, &service(&format!("route-probe-{i}"), |_| {})))).await;
+            let Some(err) = round.into_iter().find_map(|r| r.err()) else { return };
+            assert!(Instant::now() < deadline, "webhook calls through replicas {replicas:?} still fail 60s after re-routing: {err}");
+        }
     }
 
     /// The controllers (with `auth`: their client-certificate flags) and the registration,
@@ -635,7 +650,7 @@ async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over(
     let paused: Vec<String> = holders().await.into_iter().filter(|(_, h)| h.starts_with("replica-0/")).map(|(n, _)| n).collect();
     assert!(!paused.is_empty(), "replica 0 holds no IPv4 block: {:?}", holders().await);
 
-    wh.route_only(&[1]);
+    wh.route_only(&[1]).await;
     wh.children[0].signal(libc::SIGSTOP);
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut round = 0;
@@ -649,9 +664,9 @@ async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over(
         assert!(Instant::now() < deadline, "replica 1 took none of {paused:?} over within 300s: {now:?}");
     }
     wh.children[0].signal(libc::SIGCONT);
-    wh.route_only(&[0]);
+    wh.route_only(&[0]).await;
     created += burst("after".into(), 64).await.len();
-    wh.route_only(&[0, 1]);
+    wh.route_only(&[0, 1]).await;
 
     let mut seen = BTreeSet::new();
     let all = api.list(&ListParams::default()).await.expect("list Services").items;

@@ -23,6 +23,7 @@ use tracing::warn;
 use crate::cidr;
 
 use super::StoreError;
+use crate::sync::{read, write};
 
 /// A watch-fed set of IPAddress names.
 #[derive(Clone)]
@@ -60,19 +61,19 @@ impl ApiserverIps {
                         }
                     }
                     Ok(Event::InitDone) => {
-                        *set.write().unwrap_or_else(|p| p.into_inner()) = relist.take().unwrap_or_default();
+                        *write(&set) = relist.take().unwrap_or_default();
                         tx.send_replace(true);
                         added.send_modify(|n| *n += 1);
                     }
                     Ok(Event::Apply(o)) => {
                         if let Some(ip) = address(&o) {
-                            set.write().unwrap_or_else(|p| p.into_inner()).insert(ip);
+                            write(&set).insert(ip);
                             added.send_modify(|n| *n += 1);
                         }
                     }
                     Ok(Event::Delete(o)) => {
                         if let Some(ip) = address(&o) {
-                            set.write().unwrap_or_else(|p| p.into_inner()).remove(&ip);
+                            write(&set).remove(&ip);
                         }
                     }
                     Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
@@ -102,12 +103,12 @@ impl ApiserverIps {
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {
-        self.set.read().unwrap_or_else(|p| p.into_inner()).contains(&ip)
+        read(&self.set).contains(&ip)
     }
 
     /// Every recorded address, for seeding a backend.
     pub fn snapshot(&self) -> Vec<IpAddr> {
-        self.set.read().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+        read(&self.set).iter().copied().collect()
     }
 
     /// A receiver that sees every addition to the view from now on (`changed()` resolves

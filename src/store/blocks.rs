@@ -64,6 +64,7 @@ use crate::cidr::{Family, ServiceCidr};
 
 use super::apiserver_ips::ApiserverIps;
 use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
+use crate::sync::lock;
 
 /// Label on every block Lease (value "true").
 pub const BLOCK_LABEL: &str = "clusterip.allocator/block";
@@ -246,9 +247,6 @@ impl Drop for BlockStore {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn api_err(what: &str, e: kube::Error) -> StoreError {
     match e {

@@ -38,6 +38,7 @@ use crate::store::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::clusterips::{self, Decision, FieldError, Plan, Want};
+use crate::sync::lock;
 
 /// Annotation that earlier versions put on every Service they assigned addresses to. It is
 /// user-settable, so admission never reads it; the repair pass still reads it on old
@@ -267,7 +268,7 @@ impl Admission {
     /// Remember what this replica answered until the apiserver records it.
     fn answered(&self, ips: &[IpAddr], parent: &ParentRef) {
         let now = Instant::now();
-        let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut f = lock(&self.in_flight);
         for ip in ips {
             f.insert(*ip, InFlight { parent: parent.clone(), since: now });
         }
@@ -275,7 +276,7 @@ impl Admission {
 
     /// Addresses answered and not yet seen recorded (for tests and metrics).
     pub fn in_flight(&self) -> usize {
-        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len()
+        lock(&self.in_flight).len()
     }
 
     /// Settle what the apiserver has recorded; release what it has not recorded within the
@@ -285,7 +286,7 @@ impl Admission {
         let now = Instant::now();
         let mut result = SweepResult::default();
         let candidates: Vec<(IpAddr, InFlight)> = {
-            let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            let mut f = lock(&self.in_flight);
             let before = f.len();
             f.retain(|ip, _| !self.recorded_elsewhere(*ip));
             result.settled = before - f.len();
@@ -315,7 +316,7 @@ impl Admission {
                 }
             };
             if done {
-                let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+                let mut f = lock(&self.in_flight);
                 // Unless answered again meanwhile (a retry of the same Service).
                 if f.get(&ip).is_some_and(|e| e.since == entry.since) {
                     f.remove(&ip);

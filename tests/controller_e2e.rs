@@ -109,7 +109,11 @@ impl Webhook {
         let dry = PostParams { dry_run: true, ..Default::default() };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let round = futures::future::join_all((0..32).map(|i| api.create(&dry, &service(&format!("route-probe-{i}"), |_| {})))).await;
+            let round = futures::future::join_all((0..32).map(|i| {
+                let (api, dry) = (api.clone(), dry.clone());
+                async move { api.create(&dry, &service(&format!("route-probe-{i}"), |_| {})).await }
+            }))
+            .await;
             let Some(err) = round.into_iter().find_map(|r| r.err()) else { return };
             assert!(Instant::now() < deadline, "webhook calls through replicas {replicas:?} still fail 60s after re-routing: {err}");
         }

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Admission latency of the clusterip webhook through a real kube-apiserver, side by side:
 # COUNT concurrent Service creates (default 500) with the kube-apiserver allocating alone,
-# then with our webhook (release build, etcd backend) assigning the addresses.
+# then with our webhook (release build) assigning the addresses — for each backend in
+# BACKENDS (default "etcd ipaddress"), each on a dev cluster of its own.
 #
 #   scripts/bench-webhook.sh
-#   COUNT=200 CLUSTERIP_BACKEND=ipaddress scripts/bench-webhook.sh
+#   COUNT=200 BACKENDS=ipaddress scripts/bench-webhook.sh
 #
-# Prints the webhook's own answer latency (p50/p99 from its histograms: from the body in
-# hand, and from the request's headers) and the ratio of end-to-end create latency with and
-# without it.
+# Prints, per backend, the webhook's own answer latency (p50/p99 from its histograms: from
+# the body in hand, and from the request's headers; RESULT webhook_mutate_latency_<backend>)
+# and the ratio of end-to-end create latency with and without it (RESULT
+# create_<q>_<backend>).
 #
 # Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
 # a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
@@ -21,7 +23,8 @@ COUNT=${COUNT:-500}
 . scripts/lib/run.sh
 run_capped "${BENCH_MEM_MIB:-4096}" "$@"
 run_begin bench-webhook
-export CLUSTERIP_PROFILE=release CLUSTERIP_BACKEND=${CLUSTERIP_BACKEND:-etcd}
+export CLUSTERIP_PROFILE=release
+BACKENDS=${BACKENDS:-${CLUSTERIP_BACKEND:-etcd ipaddress}}
 export CLUSTERIP_CLUSTER_DIR
 CLUSTERIP_CLUSTER_DIR=$(owned_tmpdir bench-webhook)
 trap 'scripts/dev-cluster.sh down >/dev/null 2>&1 || true; rm -rf "$CLUSTERIP_CLUSTER_DIR"; run_end' EXIT
@@ -32,35 +35,40 @@ cargo build --release --quiet --bin clusterip
 burst=$(cargo bench --quiet --bench webhook_burst --no-run --message-format=json 2>/dev/null |
   jq -r 'select(.executable != null and .target.name == "webhook_burst") | .executable' | tail -n 1)
 [ -x "$burst" ] || { echo "bench-webhook: webhook_burst bench binary not built" >&2; exit 1; }
-scripts/dev-cluster.sh up >/dev/null 2>&1
-# shellcheck source=/dev/null
-. "$CLUSTERIP_CLUSTER_DIR/env"
-
-# Without the webhook: the kube-apiserver's own allocator alone.
-scripts/dev-cluster.sh stop clusterip-controller >/dev/null 2>&1
-plain=$("$burst" "$KUBECONFIG" bench-plain "$COUNT")
-echo "# kube-apiserver alone:  $plain"
-# With it.
-scripts/dev-cluster.sh start clusterip-controller >/dev/null 2>&1
-# The apiserver picks webhook configurations up asynchronously: wait until a probe Service
-# gets one of our addresses (198.19.0.0/17).
-for _ in $(seq 1 100); do
-  ip=$(scripts/kubectl.sh create service clusterip "probe-$RANDOM" --tcp=80 -o jsonpath='{.spec.clusterIP}' 2>/dev/null || true)
-  case "$ip" in 198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*) break ;; esac
-  sleep 0.2
-done
-with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics")
-echo "# with clusterip webhook: $(echo "$with" | head -n 1)"
 get() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" <<<"$2" | head -n 1; }
-mp50=$(get webhook_mutate_p50_ms "$with"); mp99=$(get webhook_mutate_p99_ms "$with")
-vp50=$(get webhook_validate_p50_ms "$with"); vp99=$(get webhook_validate_p99_ms "$with")
-echo "RESULT webhook_mutate_latency p50_ms=$mp50 p99_ms=$mp99 target_p99_ms=2"
-echo "RESULT webhook_validate_latency p50_ms=$vp50 p99_ms=$vp99 target_p99_ms=2"
-# The same answers timed from the request's headers: adds the wait for the body, which the
-# kube-apiserver sends on its own schedule (on a 2-core machine, while it is saturated).
-echo "RESULT webhook_mutate_request_latency p50_ms=$(get webhook_mutate_request_p50_ms "$with") p99_ms=$(get webhook_mutate_request_p99_ms "$with")"
-echo "RESULT webhook_validate_request_latency p50_ms=$(get webhook_validate_request_p50_ms "$with") p99_ms=$(get webhook_validate_request_p99_ms "$with")"
-for q in p50 p99 mean; do
-  a=$(get "create_${q}_ms" "$(echo "$with" | head -n 1)"); b=$(get "create_${q}_ms" "$plain")
-  echo "RESULT create_${q} ours_ms=$a kubernetes_ms=$b ratio=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')"
+
+for backend in $BACKENDS; do
+  export CLUSTERIP_BACKEND=$backend
+  scripts/dev-cluster.sh down >/dev/null 2>&1 || true
+  scripts/dev-cluster.sh up >/dev/null 2>&1
+  # shellcheck source=/dev/null
+  . "$CLUSTERIP_CLUSTER_DIR/env"
+
+  # Without the webhook: the kube-apiserver's own allocator alone.
+  scripts/dev-cluster.sh stop clusterip-controller >/dev/null 2>&1
+  plain=$("$burst" "$KUBECONFIG" bench-plain "$COUNT")
+  echo "# $backend: kube-apiserver alone:  $plain"
+  # With it.
+  scripts/dev-cluster.sh start clusterip-controller >/dev/null 2>&1
+  # The apiserver picks webhook configurations up asynchronously: wait until a probe Service
+  # gets one of our addresses (198.19.0.0/17).
+  for _ in $(seq 1 100); do
+    ip=$(scripts/kubectl.sh create service clusterip "probe-$RANDOM" --tcp=80 -o jsonpath='{.spec.clusterIP}' 2>/dev/null || true)
+    case "$ip" in 198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*) break ;; esac
+    sleep 0.2
+  done
+  with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics")
+  echo "# $backend: with clusterip webhook: $(echo "$with" | head -n 1)"
+  mp50=$(get webhook_mutate_p50_ms "$with"); mp99=$(get webhook_mutate_p99_ms "$with")
+  vp50=$(get webhook_validate_p50_ms "$with"); vp99=$(get webhook_validate_p99_ms "$with")
+  echo "RESULT webhook_mutate_latency_$backend p50_ms=$mp50 p99_ms=$mp99 target_p99_ms=2"
+  echo "RESULT webhook_validate_latency_$backend p50_ms=$vp50 p99_ms=$vp99 target_p99_ms=2"
+  # The same answers timed from the request's headers: adds the wait for the body, which the
+  # kube-apiserver sends on its own schedule (on a 2-core machine, while it is saturated).
+  echo "RESULT webhook_mutate_request_latency_$backend p50_ms=$(get webhook_mutate_request_p50_ms "$with") p99_ms=$(get webhook_mutate_request_p99_ms "$with")"
+  echo "RESULT webhook_validate_request_latency_$backend p50_ms=$(get webhook_validate_request_p50_ms "$with") p99_ms=$(get webhook_validate_request_p99_ms "$with")"
+  for q in p50 p99 mean; do
+    a=$(get "create_${q}_ms" "$(echo "$with" | head -n 1)"); b=$(get "create_${q}_ms" "$plain")
+    echo "RESULT create_${q}_$backend ours_ms=$a kubernetes_ms=$b ratio=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')"
+  done
 done

@@ -116,8 +116,11 @@ pick_port() {
   echo "$p"
 }
 # Keep only the lines of clusters that still exist and are not this one, then add ours.
+# Called with the port lock held: any other `$port_registry.<pid>` is the temp file of a
+# writer killed mid-write (it held the lock), and is removed.
 claim_ports() {
   local tmp="$port_registry.$$" dir port
+  rm -f "$port_registry".[0-9]*
   : > "$tmp"
   if [ -f "$port_registry" ]; then
     while read -r dir port; do

@@ -19,5 +19,6 @@ pub mod metrics;
 pub mod repair;
 pub mod serve;
 pub mod store;
+pub mod sync;
 pub mod telemetry;
 pub mod webhook;

@@ -38,6 +38,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
+use crate::sync::lock;
 
 /// What one client may hold and for how long.
 #[derive(Clone, Copy, Debug)]
@@ -134,7 +135,7 @@ impl Throttled {
 
     /// Whether to log now, and how many were held back since the last time.
     fn due(&self) -> Option<u64> {
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = lock(&self.last);
         if last.is_some_and(|t| t.elapsed() < self.every) {
             self.held.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -263,7 +264,7 @@ struct Activity {
 impl Activity {
     fn begin(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
-        let mut s = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = lock(&self.since);
         *s = (Instant::now(), true);
         InFlight(self.clone())
     }
@@ -274,7 +275,7 @@ impl Activity {
         if self.in_flight.load(Ordering::SeqCst) > 0 {
             return None;
         }
-        let (since, seen) = *self.since.lock().unwrap_or_else(|p| p.into_inner());
+        let (since, seen) = *lock(&self.since);
         Some(since + if seen { limits.idle_timeout } else { limits.read_timeout })
     }
 }
@@ -283,7 +284,7 @@ struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let mut s = self.0.since.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = lock(&self.0.since);
         *s = (Instant::now(), true);
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }

@@ -65,6 +65,9 @@ impl Slice {
 /// A controller process and its webhook registration, removed on drop.
 struct Webhook {
     children: Vec<Controller>,
+    /// The replicas' webhook ports, and those the proxy forwards to now.
+    ports: Vec<u16>,
+    routes: tokio::sync::watch::Sender<Vec<u16>>,
     name: String,
     namespace: String,
     client: Client,
@@ -79,9 +82,41 @@ impl Webhook {
     /// `replicas` controller processes (identities replica-0, replica-1, …) sharing one
     /// backend and one leader Lease, behind a round-robin TCP proxy the webhook URL names.
     async fn start_replicas(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice) -> Webhook {
-        let mut wh = Self::register(cp, backend, replicas, slice, &controller_common::client_auth_args(cp)).await;
+        Self::start_replicas_with(cp, backend, replicas, slice, &[]).await
+    }
+
+    /// [`start_replicas`](Self::start_replicas) with `extra` controller flags.
+    async fn start_replicas_with(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice, extra: &[&str]) -> Webhook {
+        let mut auth = controller_common::client_auth_args(cp);
+        auth.extend(extra.iter().map(|s| s.to_string()));
+        let mut wh = Self::register(cp, backend, replicas, slice, &auth).await;
         wh.wait_registered().await;
         wh
+    }
+
+    /// Forward new connections only to these replicas, and cut the open connections to the
+    /// others (the apiserver reconnects, through the proxy, to one of these) — as a Service
+    /// whose endpoint went away would, with the cut instead of a timeout.
+    ///
+    /// Returns once the apiserver calls the webhook through the new routes: a connection it
+    /// had pooled and not yet seen closed when the cut came can take one more request, which
+    /// fails in transport ("broken pipe"); that is this proxy's doing, not the webhook's.
+    /// So rounds of 32 concurrent dry-run creates (the webhook answers them, nothing is
+    /// stored) go until one round passes whole.
+    async fn route_only(&self, replicas: &[usize]) {
+        self.routes.send_replace(replicas.iter().map(|&i| self.ports[i]).collect());
+        let api = self.services();
+        let dry = PostParams { dry_run: true, ..Default::default() };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let round = futures::future::join_all((0..32).map(|i| {
+                let (api, dry) = (api.clone(), dry.clone());
+                async move { api.create(&dry, &service(&format!("route-probe-{i}"), |_| {})).await }
+            }))
+            .await;
+            let Some(err) = round.into_iter().find_map(|r| r.err()) else { return };
+            assert!(Instant::now() < deadline, "webhook calls through replicas {replicas:?} still fail 60s after re-routing: {err}");
+        }
     }
 
     /// The controllers (with `auth`: their client-certificate flags) and the registration,
@@ -90,6 +125,7 @@ impl Webhook {
         let client = cp.client().await;
         let name = unique_name("e2e");
         let pki = cp.dir().join("pki");
+        remove_leftover_blocks(&client, slice).await;
         let mut children = Vec::new();
         let mut ports = Vec::new();
         for i in 0..replicas {
@@ -100,8 +136,9 @@ impl Webhook {
         }
         let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("proxy listener");
         let webhook_port = proxy.local_addr().expect("proxy address").port();
-        tokio::spawn(round_robin(proxy, ports));
-        let wh = Webhook { children, name: name.clone(), namespace: name.clone(), client: client.clone(), slice };
+        let (routes, routed) = tokio::sync::watch::channel(ports.clone());
+        tokio::spawn(round_robin(proxy, routed));
+        let wh = Webhook { children, ports, routes, name: name.clone(), namespace: name.clone(), client: client.clone(), slice };
 
         let ca = std::fs::read(pki.join("ca.crt")).expect("dev CA");
         use base64::Engine as _;
@@ -181,23 +218,56 @@ fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize
     Controller::start(auth.iter().cloned().chain(base))
 }
 
-/// Forward each connection to the next replica that accepts it (TLS passes through).
-async fn round_robin(listener: tokio::net::TcpListener, ports: Vec<u16>) {
+/// Forward each connection to the next routed replica that accepts it (TLS passes
+/// through); a connection to a replica taken out of the routes is cut.
+async fn round_robin(listener: tokio::net::TcpListener, routes: tokio::sync::watch::Receiver<Vec<u16>>) {
     let mut next = 0usize;
     loop {
         let Ok((mut inbound, _)) = listener.accept().await else { continue };
+        let ports = routes.borrow().clone();
         let mut target = None;
         for i in 0..ports.len() {
-            if let Ok(s) = tokio::net::TcpStream::connect(("127.0.0.1", ports[(next + i) % ports.len()])).await {
-                target = Some(s);
+            let port = ports[(next + i) % ports.len()];
+            if let Ok(s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                target = Some((port, s));
                 break;
             }
         }
         next = next.wrapping_add(1);
-        if let Some(mut outbound) = target {
+        if let Some((port, mut outbound)) = target {
+            let mut routes = routes.clone();
             tokio::spawn(async move {
-                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                let unrouted = async {
+                    while routes.changed().await.is_ok() {
+                        if !routes.borrow().contains(&port) {
+                            return;
+                        }
+                    }
+                    std::future::pending::<()>().await
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    _ = unrouted => {}
+                }
             });
+        }
+    }
+}
+
+/// Block Leases (ipaddress backend) of an earlier run's controllers for `slice`, all dead
+/// (they die with their test): deleted, so that this run's replicas find free blocks.
+async fn remove_leftover_blocks(client: &Client, slice: Slice) {
+    use clusterip::cidr::ServiceCidr;
+    use k8s_openapi::api::coordination::v1::Lease;
+    let ours = [ServiceCidr::parse(&slice.v4()).expect("v4 slice"), ServiceCidr::parse(&slice.v6()).expect("v6 slice")];
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    let Ok(list) = leases.list(&ListParams::default().labels(clusterip::store::blocks::BLOCK_LABEL)).await else { return };
+    for l in list.items {
+        let range = l.metadata.annotations.as_ref().and_then(|a| a.get(clusterip::store::blocks::RANGE_ANNOTATION)).and_then(|r| ServiceCidr::parse(r).ok());
+        if range.is_some_and(|r| ours.contains(&r)) {
+            if let Some(name) = l.metadata.name.as_deref() {
+                let _ = leases.delete(name, &DeleteParams::default()).await;
+            }
         }
     }
 }
@@ -542,6 +612,74 @@ async fn etcd_backend_leader_killed_during_a_burst() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_leader_killed_during_a_burst() {
     leader_killed_during_a_burst("ipaddress", Slice(6)).await;
+}
+
+/// Replica 0 is paused (SIGSTOP) for longer than its blocks' lease; replica 1 keeps
+/// answering, and takes one of replica 0's blocks over once it has seen its Lease unchanged
+/// for the lease duration. Replica 0 is resumed and answers again: never from the block it
+/// lost (it stopped answering from it a margin before the takeover was possible). Every
+/// create succeeds and no address is given twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let _one_at_a_time = BURST.lock().await;
+    let cp = control_plane();
+    let slice = Slice(13);
+    let flags = ["--address-block-size", "32", "--address-block-lease-duration", "12s", "--address-block-margin", "6s"];
+    let wh = Webhook::start_replicas_with(&cp, "ipaddress", 2, slice, &flags).await;
+    let api = wh.services();
+    let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
+    let v4 = clusterip::cidr::ServiceCidr::parse(&slice.v4()).expect("v4 slice");
+    let holders = || async {
+        let mut out = std::collections::BTreeMap::new();
+        for l in leases.list(&ListParams::default().labels(clusterip::store::blocks::BLOCK_LABEL)).await.expect("list block Leases").items {
+            let name = l.metadata.name.clone().unwrap_or_default();
+            if name.starts_with(&clusterip::store::blocks::block_name(&v4, 0).trim_end_matches("-0").to_string()) {
+                out.insert(name, l.spec.and_then(|s| s.holder_identity).unwrap_or_default());
+            }
+        }
+        out
+    };
+    let burst = |prefix: String, n: usize| {
+        let api = api.clone();
+        async move {
+            futures::future::join_all((0..n).map(|i| {
+                let (api, name) = (api.clone(), format!("{prefix}-{i}"));
+                async move { api.create(&PostParams::default(), &service(&name, |_| {})).await.expect("every create succeeds") }
+            }))
+            .await
+        }
+    };
+    let mut created = burst("warm".into(), 20).await.len();
+    let paused: Vec<String> = holders().await.into_iter().filter(|(_, h)| h.starts_with("replica-0/")).map(|(n, _)| n).collect();
+    assert!(!paused.is_empty(), "replica 0 holds no IPv4 block: {:?}", holders().await);
+
+    wh.route_only(&[1]).await;
+    wh.children[0].signal(libc::SIGSTOP);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut round = 0;
+    loop {
+        created += burst(format!("during-{round}"), 16).await.len();
+        round += 1;
+        let now = holders().await;
+        if paused.iter().any(|n| now.get(n).is_some_and(|h| h.starts_with("replica-1/"))) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "replica 1 took none of {paused:?} over within 300s: {now:?}");
+    }
+    wh.children[0].signal(libc::SIGCONT);
+    wh.route_only(&[0]).await;
+    created += burst("after".into(), 64).await.len();
+    wh.route_only(&[0, 1]).await;
+
+    let mut seen = BTreeSet::new();
+    let all = api.list(&ListParams::default()).await.expect("list Services").items;
+    for svc in &all {
+        for ip in ips(svc) {
+            assert!(seen.insert(ip), "{ip} assigned twice");
+        }
+    }
+    assert_eq!(all.len(), created, "every create succeeded");
 }
 
 async fn leader_killed_during_a_burst(backend: &str, slice: Slice) {

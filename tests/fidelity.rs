@@ -13,7 +13,9 @@
 //! Addresses: the webhook assigns from 198.19.120.0/22 and fd00:10:96::c000/118 (no other
 //! test uses them); the oracle side's static addresses are 198.19.124.x / fd00:10:96::c4xx,
 //! outside our ranges and inside the apiserver's 198.19.0.0/16 and fd00:10:96::/112. Every
-//! static address is used by one case on one side only.
+//! static address is used by one case on one side only, and only if no IPAddress records it
+//! when the case begins (`Side::fill`): the shared cluster's other Services may hold any
+//! address of the apiserver's dynamic band.
 
 mod controller_common;
 
@@ -23,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Client;
 use serde_json::{json, Value};
@@ -45,6 +48,10 @@ struct Layout {
     /// The stock side's address in the apiserver's range (the counterpart of ours_fixed[4]).
     stock_out: &'static str,
 }
+
+/// An address in the apiserver's range outside every range of ours: refused by our webhook
+/// (and only by it) with "The range of valid IPs is …", which shows the webhook is called.
+const PROBE: &str = "198.19.200.5";
 
 const ETCD: Layout = Layout {
     backend: "etcd",
@@ -104,27 +111,41 @@ impl Side {
 
     /// `spec` with its tokens replaced by fresh addresses of this side: {A}, {A2} (IPv4),
     /// {X} (IPv6), {XNC} (an IPv6 address spelled non-canonically), and the fixed ones.
-    fn fill(&mut self, text: &str) -> String {
+    ///
+    /// A fresh address is one no IPAddress records now: the shared cluster keeps every
+    /// Service other tests left (namespaces are never finalized without
+    /// kube-controller-manager), and the apiserver's own dynamic picks — this test's stock
+    /// side's among them — land anywhere in its dynamic band, which holds these addresses.
+    /// Nothing else allocates while this test runs (test binaries run one at a time, the two
+    /// backends' runs one after the other), so a free address stays free for the case.
+    async fn fill(&mut self, client: &Client, text: &str) -> String {
         let mut out = text.to_string();
         for tok in ["{A}", "{A2}"] {
             if out.contains(tok) {
-                let ip = std::net::Ipv4Addr::from(self.v4_base + self.next4).to_string();
-                self.next4 += 1;
+                let ip = loop {
+                    let ip = IpAddr::from(std::net::Ipv4Addr::from(self.v4_base + self.next4));
+                    self.next4 += 1;
+                    if unrecorded(client, ip).await {
+                        break ip.to_string();
+                    }
+                };
                 out = out.replace(tok, &ip);
                 self.tokens.insert(tok.into(), ip);
             }
         }
-        if out.contains("{X}") {
-            let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6).to_string();
-            self.next6 += 1;
-            out = out.replace("{X}", &ip);
-            self.tokens.insert("{X}".into(), ip);
-        }
-        if out.contains("{XNC}") {
-            let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6).to_string().replacen("::", ":0::", 1);
-            self.next6 += 1;
-            out = out.replace("{XNC}", &ip);
-            self.tokens.insert("{XNC}".into(), ip);
+        for (tok, spelled) in [("{X}", false), ("{XNC}", true)] {
+            if out.contains(tok) {
+                let ip = loop {
+                    let ip = std::net::Ipv6Addr::from(self.v6_base + self.next6);
+                    self.next6 += 1;
+                    if unrecorded(client, IpAddr::from(ip)).await {
+                        break ip;
+                    }
+                };
+                let text = if spelled { ip.to_string().replacen("::", ":0::", 1) } else { ip.to_string() };
+                out = out.replace(tok, &text);
+                self.tokens.insert(tok.into(), text);
+            }
         }
         for (tok, ip) in &self.fixed {
             if out.contains(tok) {
@@ -135,7 +156,8 @@ impl Side {
         out
     }
 
-    /// Every static address this side may use (freed before the run).
+    /// The static addresses this side may use (an earlier run's leftovers among them are
+    /// freed before the run).
     fn statics(&self) -> Vec<String> {
         let mut v: Vec<String> = (1..64).map(|n| std::net::Ipv4Addr::from(self.v4_base + n).to_string()).collect();
         v.extend((1..64u128).map(|n| std::net::Ipv6Addr::from(self.v6_base + n).to_string()));
@@ -362,7 +384,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
     let path = format!("/api/v1/namespaces/{}/services", side.namespace);
     let req = kube::core::Request::new(&path);
     let name = format!("fid-{}", case.name);
-    let spec = side.fill(case.spec);
+    let spec = side.fill(client, case.spec).await;
     let (pp, dry) = (PostParams::default(), PostParams { dry_run: true, ..Default::default() });
     let (code, body, dry_run) = match case.step {
         Step::Create => {
@@ -382,7 +404,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
         Step::Patch(patch) => {
             let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
-            let patch: Value = serde_json::from_str(&side.fill(patch)).expect("patch");
+            let patch: Value = serde_json::from_str(&side.fill(client, patch).await).expect("patch");
             let (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
             (c, b, false)
         }
@@ -414,7 +436,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
             for (i, patch) in patches.iter().enumerate() {
                 let text = side.fill_keep(patch);
-                let patch: Value = serde_json::from_str(&side.fill(&text)).expect("patch");
+                let patch: Value = serde_json::from_str(&side.fill(client, &text).await).expect("patch");
                 (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
                 assert!(i + 1 == patches.len() || c == 200, "{}: patch {i} failed: {b}", case.name);
             }
@@ -424,7 +446,7 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             let holder_name = format!("{name}-holder");
             // The case's addresses, and fresh ones for tokens only the holder has.
             let holder = side.fill_keep(holder);
-            let holder = side.fill(&holder);
+            let holder = side.fill(client, &holder).await;
             let (c, b) = send(client, req.create(&pp, service_body(&holder_name, &holder))).await;
             assert_eq!(c, 201, "{}: the holder was not created: {b}", case.name);
             let patch: Value = serde_json::from_str(&side.fill_keep(patch)).expect("patch");
@@ -457,11 +479,16 @@ struct Webhook {
 
 impl Webhook {
     async fn start(cp: &ControlPlane, layout: &Layout) -> Webhook {
+        Self::start_for(cp, layout.backend, &format!("{},{}", layout.our_v4, layout.our_v6), PROBE).await
+    }
+
+    /// Our controller with `backend` over `ranges` (the first one IPv4); `probe` as [`PROBE`].
+    async fn start_for(cp: &ControlPlane, backend: &str, ranges: &str, probe: &str) -> Webhook {
         let client = cp.client().await;
-        let name = unique_name(&format!("fidelity-{}", layout.backend));
+        let name = unique_name(&format!("fidelity-{backend}"));
         let pki = cp.dir().join("pki");
-        let ranges = format!("{},{}", layout.our_v4, layout.our_v6);
-        let mut args = controller_common::controller_args(cp, layout.backend, &ranges, &name, "default", "replica-0", &cp.kubeconfig());
+        let our_v4 = ranges.split(',').next().unwrap_or_default().to_string();
+        let mut args = controller_common::controller_args(cp, backend, ranges, &name, "default", "replica-0", &cp.kubeconfig());
         // Only the kube-apiserver's client certificate makes the webhook act.
         args.extend(controller_common::client_auth_args(cp));
         let child = Controller::start(args);
@@ -489,8 +516,9 @@ impl Webhook {
         let path = format!("/api/v1/namespaces/{name}/services");
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", r#"{"clusterIP":"198.19.200.5"}"#))).await;
-            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {}", layout.our_v4)) {
+            let spec = json!({"clusterIP": probe}).to_string();
+            let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", &spec))).await;
+            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {our_v4}")) {
                 return wh;
             }
             assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s: {code} {body}");
@@ -511,6 +539,24 @@ impl Drop for Webhook {
                 let _ = Api::<Namespace>::all(client.clone()).delete(&ns, &dp).await;
             }
         });
+    }
+}
+
+/// Whether no IPAddress records `ip` now (read from storage).
+async fn unrecorded(client: &Client, ip: IpAddr) -> bool {
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    addrs.get_opt(&ip.to_string()).await.expect("read IPAddress").is_none()
+}
+
+/// If `ip` is held by a Service of an earlier run of this test (`fid-…`), delete that
+/// Service and wait until the address is free. The fixed stock addresses (the IPv6 all-ones
+/// address) must be freed so; the others are skipped by `fill` when held.
+async fn free_fidelity_leftover(client: &Client, ip: &str) {
+    let addrs: Api<IPAddress> = Api::all(client.clone());
+    if let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") {
+        if rec.spec.parent_ref.resource == "services" && rec.spec.parent_ref.name.starts_with("fid-") {
+            free_leftover(client, ip, |p| p.name.starts_with("fid-")).await;
+        }
     }
 }
 
@@ -564,8 +610,9 @@ async fn matches_stock(layout: &Layout) {
         ],
     );
     for ip in ours.statics().into_iter().chain(stock.statics()) {
-        // A Service named `fid-…` holding it is an earlier run's (on a reused cluster).
-        free_leftover(&client, &ip, |p| p.name.starts_with("fid-")).await;
+        // A Service named `fid-…` holding it is an earlier run's (on a reused cluster); an
+        // address anyone else holds is skipped when the cases are filled in.
+        free_fidelity_leftover(&client, &ip).await;
     }
     let cases = cases();
     let (mut matched, mut unexpected, mut deliberate) = (0, Vec::new(), Vec::new());
@@ -588,4 +635,61 @@ async fn matches_stock(layout: &Layout) {
         eprintln!("fidelity ({} backend): deliberate difference: {d}", layout.backend);
     }
     assert!(unexpected.is_empty(), "unexpected differences from stock Kubernetes:\n{}", unexpected.join("\n"));
+}
+
+/// A full range, compared with stock Kubernetes on a control plane of its own whose
+/// apiserver range is a /28: the stock side fills it with dynamic creates, then each
+/// backend's webhook fills a /28 of ours (a ServiceCIDR of its own, created after the stock
+/// side is full, so the apiserver's own allocator never reaches it first), and the next
+/// create on each side is compared — stock answers 500 "Internal error occurred: failed to
+/// allocate a serviceIP: range is full".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_range_is_answered_as_stock_kubernetes_answers_it() {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let cp = ControlPlane::private_with("fidelity-full", &[("CLUSTERIP_APISERVER_SERVICE_CIDRS", "198.19.144.0/28")]);
+    let client = cp.client().await;
+    // Creates `fid-full-<n>` until one fails; then the compared create, `fid-full`.
+    let fill_then_create = |side: Side| {
+        let client = client.clone();
+        async move {
+            let path = format!("/api/v1/namespaces/{}/services", side.namespace);
+            let req = kube::core::Request::new(&path);
+            let mut stored = 0;
+            loop {
+                let (c, b) = send(&client, req.create(&PostParams::default(), service_body(&format!("fid-full-{stored}"), "{}"))).await;
+                if c != 201 {
+                    assert!(stored >= 13, "{}: only {stored} creates succeeded before {c} {b}", side.namespace);
+                    break;
+                }
+                stored += 1;
+                assert!(stored <= 14, "{}: more than a /28's 14 addresses given", side.namespace);
+            }
+            let (c, b) = send(&client, req.create(&PostParams::default(), service_body("fid-full", "{}"))).await;
+            let ours = side.ours.is_some();
+            (stored, outcome(&side, c, &b, ours, false))
+        }
+    };
+    let no_fixed = || [("{NET}", String::new()), ("{BCAST}", String::new()), ("{NET6}", String::new()), ("{ONES6}", String::new()), ("{OUT}", String::new())];
+    let stock_ns = unique_name("fid-full-stock");
+    create_namespace(&client, &stock_ns, json!({})).await;
+    let (stock_stored, want) = fill_then_create(Side::new(stock_ns, "198.19.144.0", "fd00::", no_fixed())).await;
+    let message = match &want {
+        Outcome::Failed { code: 500, message, .. } => message.clone(),
+        other => panic!("stock Kubernetes did not refuse a create in its full range with 500: {other:?}"),
+    };
+    assert!(message.contains("range is full"), "{message}");
+    eprintln!("fidelity (full range): stock Kubernetes, {stock_stored} Services stored, then: {want:?}");
+
+    for (backend, ours) in [("etcd", "198.19.144.16/28"), ("ipaddress", "198.19.144.32/28")] {
+        let sc: ServiceCIDR = serde_json::from_value(json!({"metadata": {"name": format!("fid-full-{backend}")}, "spec": {"cidrs": [ours]}})).expect("ServiceCIDR");
+        Api::<ServiceCIDR>::all(client.clone()).create(&PostParams::default(), &sc).await.expect("create our ServiceCIDR");
+        // In the apiserver's range (full, so never given by it), outside ours.
+        let wh = Webhook::start_for(&cp, backend, ours, "198.19.144.5").await;
+        let mut side = Side::new(wh.name.clone(), "198.19.144.0", "fd00::", no_fixed());
+        side.ours = Some([ServiceCidr::parse(ours).expect("ours"), ServiceCidr::parse("fd00:10:96::/112").expect("v6")]);
+        let (stored, got) = fill_then_create(side).await;
+        eprintln!("fidelity (full range, {backend} backend): {stored} Services stored, then: {got:?}");
+        assert_eq!(stored, 14, "{backend}: a /28 of ours holds 14 Services");
+        assert_eq!(got, want, "{backend}: a create in a full range is not answered as stock Kubernetes answers it");
+    }
 }

@@ -98,7 +98,7 @@ async fn readyz_reports_etcd_down_and_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn readyz_reports_the_apiserver_down_and_recovers() {
-    readiness_follows("ipaddress", "kube-apiserver", "readyz-apiserver", "reservation Leases").await;
+    readiness_follows("ipaddress", "kube-apiserver", "readyz-apiserver", "address block Leases").await;
 }
 
 fn etcd_config(cp: &ControlPlane, prefix: &str, pool_size: usize) -> EtcdConfig {

@@ -23,7 +23,7 @@ use crate::serve;
 use crate::webhook::{server, tls};
 
 use super::backend::{BackendArgs, BackendKind};
-use crate::store::reservations::LeaseReservations;
+use crate::store::blocks::{BlockOptions, BlockStore};
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
@@ -37,6 +37,23 @@ pub struct ControllerArgs {
     /// 0 = allocate with one etcd transaction per admission.
     #[arg(long, default_value_t = 1024, value_parser = parse_pool)]
     pub etcd_address_pool: usize,
+
+    /// (ipaddress backend) Addresses per block. Each replica answers dynamic requests from
+    /// blocks of the range it holds exclusively (a Lease `clusterip-block-…` per block in
+    /// --leader-elect-namespace), from memory.
+    #[arg(long, default_value_t = crate::store::blocks::DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub address_block_size: u64,
+
+    /// (ipaddress backend) How long another replica observes a block's Lease unchanged, on
+    /// its own clock, before it takes the block over (its holder stopped renewing it).
+    #[arg(long, default_value = "120s", value_parser = parse_timeout)]
+    pub address_block_lease_duration: std::time::Duration,
+
+    /// (ipaddress backend) A replica stops answering from a block this long before anyone
+    /// may take it over. Must exceed the kube-apiserver's --request-timeout (60s by
+    /// default): the longest an answered address can stay unrecorded.
+    #[arg(long, default_value = "75s", value_parser = parse_timeout)]
+    pub address_block_margin: std::time::Duration,
 
     /// Address of the HTTPS admission webhook (POST /mutate, POST /validate). Port 0 picks
     /// a free port; the "clusterip controller started" log line names the one bound.
@@ -201,8 +218,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         .context("the IPAddress list did not arrive within 60s: is the kube-apiserver reachable?")?
         .context("IPAddress watch stopped")?;
     // Service addresses: with the etcd backend our allocation map is the reservation; with
-    // the ipaddress backend the apiserver's own IPAddress object is the record and a Lease
-    // per address stops two admissions from picking the same one (see docs/backends.md).
+    // the ipaddress backend the apiserver's own IPAddress object is the record and each
+    // replica picks only inside address blocks it holds (see docs/backends.md).
     let store: Arc<dyn crate::store::AllocationStore> = match args.backend.backend {
         BackendKind::Etcd => args.backend.open_with_pool(args.etcd_address_pool).await?,
         BackendKind::Ipaddress => {
@@ -210,7 +227,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
             if ranges.is_empty() {
                 anyhow::bail!("the controller needs --service-cidr: the ranges it assigns Service addresses from");
             }
-            LeaseReservations::open(client.clone(), &args.leader_elect_namespace, ranges, recorded.clone(), identity.clone()).await?
+            let options = BlockOptions::new(args.address_block_size, args.address_block_lease_duration, args.address_block_margin).map_err(anyhow::Error::msg)?;
+            BlockStore::open(client.clone(), &args.leader_elect_namespace, ranges, recorded.clone(), &identity, options).await?
         }
     };
     let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();

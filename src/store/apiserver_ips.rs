@@ -5,8 +5,8 @@
 //! The set is a *view*: it lags the apiserver by the watch's delay, so it serves as a hint
 //! (which candidates to skip, when to look again) and never as the deciding read. Where a
 //! decision must not be made on a stale picture, callers read the IPAddress itself from the
-//! apiserver (see `reservations.rs` and docs/backends.md, "Decisions on a possibly stale
-//! view").
+//! apiserver (`ApiserverIps::recorded_now`; `blocks.rs` lists them before answering from a
+//! block; docs/backends.md, "Decisions on a possibly stale view").
 
 use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
@@ -23,6 +23,7 @@ use tracing::warn;
 use crate::cidr;
 
 use super::{StoreError, Unreadable};
+use crate::sync::{read, write};
 
 /// A watch-fed set of IPAddress names.
 #[derive(Clone)]
@@ -76,30 +77,30 @@ impl ApiserverIps {
                     },
                     Ok(Event::InitDone) => {
                         let (ips, names) = relist.take().unwrap_or_default();
-                        *set.write().unwrap_or_else(|p| p.into_inner()) = ips;
+                        *write(&set) = ips;
                         for name in &names {
                             warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
                         }
-                        *bad.write().unwrap_or_else(|p| p.into_inner()) = names;
+                        *write(&bad) = names;
                         tx.send_replace(true);
                         added.send_modify(|n| *n += 1);
                     }
                     Ok(Event::Apply(o)) => match judge(&o) {
                         Ok(ip) => {
-                            set.write().unwrap_or_else(|p| p.into_inner()).insert(ip);
+                            write(&set).insert(ip);
                             added.send_modify(|n| *n += 1);
                         }
                         Err(name) => {
                             warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
-                            bad.write().unwrap_or_else(|p| p.into_inner()).insert(name);
+                            write(&bad).insert(name);
                         }
                     },
                     Ok(Event::Delete(o)) => match judge(&o) {
                         Ok(ip) => {
-                            set.write().unwrap_or_else(|p| p.into_inner()).remove(&ip);
+                            write(&set).remove(&ip);
                         }
                         Err(name) => {
-                            bad.write().unwrap_or_else(|p| p.into_inner()).remove(&name);
+                            write(&bad).remove(&name);
                         }
                     },
                     Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
@@ -111,7 +112,7 @@ impl ApiserverIps {
 
     /// IPAddress objects whose name is not a canonical address (kind `ipaddress`).
     pub fn unreadable(&self) -> Vec<Unreadable> {
-        let bad = self.bad.read().unwrap_or_else(|p| p.into_inner());
+        let bad = read(&self.bad);
         bad.iter().map(|name| Unreadable { kind: "ipaddress", record: name.clone(), reason: "the name is not a canonical IP address".into() }).collect()
     }
 
@@ -136,12 +137,12 @@ impl ApiserverIps {
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {
-        self.set.read().unwrap_or_else(|p| p.into_inner()).contains(&ip)
+        read(&self.set).contains(&ip)
     }
 
     /// Every recorded address, for seeding a backend.
     pub fn snapshot(&self) -> Vec<IpAddr> {
-        self.set.read().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+        read(&self.set).iter().copied().collect()
     }
 
     /// A receiver that sees every addition to the view from now on (`changed()` resolves

@@ -55,6 +55,7 @@ use super::etcd_pool::{
     LEASE_TTL,
 };
 use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
+use crate::sync::lock;
 
 /// How the etcd backend connects and batches. Flags: see [`EtcdArgs`].
 #[derive(Clone, Debug)]
@@ -970,12 +971,6 @@ impl AllocationStore for EtcdStore {
         }
         Ok(())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // A poisoned lock only means another task panicked mid-update of a plain value; the
-    // next transaction re-validates against etcd, so keep going with what is there.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Decode a stored value into a map for `cidr`.

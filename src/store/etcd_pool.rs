@@ -29,6 +29,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use crate::sync::lock;
 
 /// Lease TTL of the pool keys.
 pub const LEASE_TTL: Duration = Duration::from_secs(30);
@@ -136,9 +137,6 @@ pub struct OwnPool {
     closed: AtomicBool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// What a pop found.
 #[derive(Debug, PartialEq, Eq)]

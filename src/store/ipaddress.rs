@@ -32,6 +32,7 @@ use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{self, Family, ServiceCidr};
 
 use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
+use crate::sync::lock;
 
 /// Label naming the address family of an IPAddress.
 pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
@@ -179,9 +180,6 @@ impl Drop for IpAddressStore {
     }
 }
 
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn family_label(family: Family) -> &'static str {
     match family {

@@ -13,6 +13,7 @@ use crate::alloc::AllocationMap;
 use crate::cidr::{Family, ServiceCidr};
 
 use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
+use crate::sync::lock;
 
 /// Allocation maps per range and the owners recorded for non-Service parents, behind one
 /// lock.
@@ -28,7 +29,7 @@ impl MemoryStore {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, (Vec<AllocationMap>, BTreeMap<IpAddr, ParentRef>)> {
-        self.maps.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.maps)
     }
 
     /// Record `parent` as the owner when it is not a Service (as the etcd backend does).

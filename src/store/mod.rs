@@ -11,6 +11,7 @@
 //! band rules are identical; they differ only in how a choice is made durable.
 
 pub mod apiserver_ips;
+pub mod blocks;
 pub mod etcd;
 pub mod etcd_pool;
 pub mod ipaddress;
@@ -18,7 +19,6 @@ pub mod legacy;
 pub mod memory;
 pub mod metered;
 mod ranges;
-pub mod reservations;
 
 use std::net::IpAddr;
 

@@ -38,6 +38,7 @@ use crate::store::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::clusterips::{self, Decision, FieldError, Plan, Want};
+use crate::sync::lock;
 
 /// Annotation that earlier versions put on every Service they assigned addresses to. It is
 /// user-settable, so admission never reads it; the repair pass still reads it on old
@@ -110,6 +111,23 @@ fn deny(req: &AdmissionRequest<Service>, code: u16, reason: &str, message: Strin
             retry_after_seconds: 0,
         }),
     };
+    resp
+}
+
+/// A dynamic address could not be had. Stock Kubernetes (v1.37) answers a full range with
+/// its `NewInternalError`: 500 InternalError, the message `Internal error occurred: failed
+/// to allocate a serviceIP for Service "<name>": range is full`, and the inner text as the
+/// one cause, with no kind or name in the details. A store that cannot answer now (etcd
+/// unreachable, say) is ours alone: 503 ServiceUnavailable with the same inner text, safe
+/// to retry.
+fn allocation_failed(req: &AdmissionRequest<Service>, err: &StoreError) -> AdmissionResponse {
+    let inner = format!("failed to allocate a serviceIP for Service \"{}\": {err}", service_name(req));
+    let (code, reason, message) = if err.is_transient() { (503, "ServiceUnavailable", inner.clone()) } else { (500, "InternalError", format!("Internal error occurred: {inner}")) };
+    let mut resp = deny(req, code, reason, message, vec![StatusCause { field: String::new(), message: inner, reason: String::new() }]);
+    if let Some(details) = resp.result.details.as_mut() {
+        details.kind.clear();
+        details.name.clear();
+    }
     resp
 }
 
@@ -250,7 +268,7 @@ impl Admission {
     /// Remember what this replica answered until the apiserver records it.
     fn answered(&self, ips: &[IpAddr], parent: &ParentRef) {
         let now = Instant::now();
-        let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut f = lock(&self.in_flight);
         for ip in ips {
             f.insert(*ip, InFlight { parent: parent.clone(), since: now });
         }
@@ -258,7 +276,7 @@ impl Admission {
 
     /// Addresses answered and not yet seen recorded (for tests and metrics).
     pub fn in_flight(&self) -> usize {
-        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len()
+        lock(&self.in_flight).len()
     }
 
     /// Settle what the apiserver has recorded; release what it has not recorded within the
@@ -268,7 +286,7 @@ impl Admission {
         let now = Instant::now();
         let mut result = SweepResult::default();
         let candidates: Vec<(IpAddr, InFlight)> = {
-            let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            let mut f = lock(&self.in_flight);
             let before = f.len();
             f.retain(|ip, _| !self.recorded_elsewhere(*ip));
             result.settled = before - f.len();
@@ -298,7 +316,7 @@ impl Admission {
                 }
             };
             if done {
-                let mut f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+                let mut f = lock(&self.in_flight);
                 // Unless answered again meanwhile (a retry of the same Service).
                 if f.get(&ip).is_some_and(|e| e.since == entry.since) {
                     f.remove(&ip);
@@ -396,11 +414,7 @@ impl Admission {
                     self.rollback(&recorded_here, &parent).await;
                     return match ip {
                         Some(ip) => static_failure(req, &requested, ip, &err),
-                        None => {
-                            let code = if err.is_transient() { 503 } else { 500 };
-                            let reason = if err.is_transient() { "ServiceUnavailable" } else { "InternalError" };
-                            deny(req, code, reason, format!("Internal error occurred: failed to allocate a serviceIP: {err}"), vec![])
-                        }
+                        None => allocation_failed(req, &err),
                     };
                 }
             }

@@ -23,6 +23,7 @@ use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert, WebPkiClient
 use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, OtherError, RootCertStore, ServerConfig, SignatureScheme};
 use tracing::{info, warn};
+use crate::sync::lock;
 
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
@@ -55,7 +56,7 @@ impl<T: Clone> Followed<T> {
     }
 
     fn current(&self) -> T {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = lock(&self.state);
         if st.checked.elapsed() >= CHECK_EVERY {
             st.checked = Instant::now();
             let stamp: Vec<_> = self.files.iter().map(|f| modified(f)).collect();

@@ -104,8 +104,16 @@ impl ControlPlane {
     /// A control plane of its own for a test that breaks it (stops etcd, say): started now,
     /// stopped and removed when the value is dropped, failed test included.
     pub fn private(tag: &str) -> ControlPlane {
+        Self::private_with(tag, &[])
+    }
+
+    /// [`private`](Self::private) with `scripts/dev-cluster.sh` settings of its own, e.g.
+    /// `("CLUSTERIP_APISERVER_SERVICE_CIDRS", "198.19.144.0/28")`.
+    pub fn private_with(tag: &str, env: &[(&str, &str)]) -> ControlPlane {
         let dir = std::env::temp_dir().join(format!("clusterip-{tag}-{}", std::process::id()));
-        let status = owned_up(&dir).stdout(std::process::Stdio::null()).status().expect("run scripts/dev-cluster.sh");
+        let mut up = owned_up(&dir);
+        up.envs(env.iter().copied());
+        let status = up.stdout(std::process::Stdio::null()).status().expect("run scripts/dev-cluster.sh");
         let mut cp = ControlPlane::read(&dir).unwrap_or_else(|e| {
             let _ = Command::new(repo_root().join("scripts/dev-cluster.sh")).arg("down").env("CLUSTERIP_CLUSTER_DIR", &dir).status();
             panic!("private control plane in {}: {e}", dir.display())

@@ -1,0 +1,937 @@
+//! Service addresses for the IPAddress backend, answered from memory: every controller
+//! replica picks dynamic addresses only inside *address blocks* it holds exclusively.
+//!
+//! The kube-apiserver (≥ 1.33) records every Service address itself, as the IPAddress named
+//! by the address, when it stores the Service — after our mutating webhook answered. So the
+//! webhook's only job is that no two answers, on any replica, name the same address before
+//! the apiserver has recorded the first. Blocks do that without a write per admission:
+//!
+//! - **Blocks.** Each range is cut into blocks of `size` consecutive addresses, the dynamic
+//!   band's first, then the static band's ([`layout`]). A block is held through a
+//!   `coordination.k8s.io/v1` Lease `clusterip-block-<range>-<n>` in the controller's
+//!   namespace (label `clusterip.allocator/block`), `holderIdentity` = the replica's identity
+//!   and a per-process nonce. Creating the Lease takes a free block; `AlreadyExists` means
+//!   someone else holds it.
+//! - **Picks in memory.** A replica answers a dynamic request with an address of a block it
+//!   holds, skipping what the watch-fed IPAddress set ([`ApiserverIps`]) shows, what the
+//!   consistent list made when it took the block showed, and its own picks not yet recorded
+//!   (*pending*, until the view shows the IPAddress or the admission gives the address back
+//!   after its in-flight limit). Nothing cluster-wide is written per admission.
+//! - **Renewal and the margin.** The holder renews each Lease every `renew_every` (an update
+//!   with the Lease's resourceVersion as precondition) and picks from a block only while the
+//!   last renewal it saw confirmed was *sent* less than `lease_duration − margin` ago, on its
+//!   own monotonic clock ([`usable`]). A renewal refused (409: someone took the block over;
+//!   404) drops the block at once.
+//! - **Takeover.** Another replica takes a block over only after it has itself observed the
+//!   Lease with the same resourceVersion for the whole `lease_duration`, on its own
+//!   monotonic clock ([`expired`]) — never by comparing the Lease's timestamps with its
+//!   clock — and then with an update carrying that resourceVersion as precondition.
+//! - **Fresh view before answering.** After creating or taking over a block, the replica
+//!   lists the IPAddresses from the apiserver without a resourceVersion (a consistent read)
+//!   before answering from it, so every address the previous holder had answered and the
+//!   apiserver stored is seen, however far its own watch lags.
+//!
+//! Why no address gets two owners (docs/backends.md, "Address blocks"): the holder's last
+//! pick from a block happens before `s + D − M` (s: send time of its last confirmed
+//! renewal, D the lease duration, M the margin); an observer first sees that renewal at
+//! `o ≥ s` and takes over at `o + D` at the earliest; the request carrying the last pick
+//! is stored or has failed within the apiserver's request timeout T (60 s by default) after
+//! it began, i.e. before `s + D − M + T`. With `M > T` that is before the takeover, whose
+//! consistent list then sees it. The defaults are D = 120 s, M = 75 s (> T = 60 s), renewal
+//! every 11.25 s: a holder answers from a block for 45 s after each confirmed renewal.
+//!
+//! Blocks go back (Lease deleted, resourceVersion precondition) at shutdown
+//! ([`AllocationStore::close`]) and when idle, but only when none of their picks is still
+//! pending: a block given back with an answered, unrecorded address could be taken by a
+//! replica whose consistent list does not show it yet.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::networking::v1::IPAddress;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
+use kube::Client;
+use rand::Rng;
+use tracing::{debug, info, warn};
+
+use crate::alloc::AllocError;
+use crate::cidr::{Family, ServiceCidr};
+
+use super::apiserver_ips::ApiserverIps;
+use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
+use crate::sync::lock;
+
+/// Label on every block Lease (value "true").
+pub const BLOCK_LABEL: &str = "clusterip.allocator/block";
+/// Annotation naming the block's range (the CIDR text).
+pub const RANGE_ANNOTATION: &str = "clusterip.allocator/range";
+/// Annotation naming the block's first and last address (informative).
+pub const ADDRESSES_ANNOTATION: &str = "clusterip.allocator/addresses";
+
+/// How long `/readyz` waits for the kube-apiserver (the Deployment's probe gives up after 2 s).
+const READY_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// Default block size (addresses).
+pub const DEFAULT_BLOCK_SIZE: u64 = 256;
+/// Default lease duration of a block: how long an observer watches an unchanged Lease
+/// before it takes the block over.
+pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(120);
+/// Default margin: a holder stops picking from a block this long before an observer could
+/// take it over. Must exceed the longest an answered request can stay unstored (the
+/// apiserver's request timeout, 60 s by default).
+pub const DEFAULT_MARGIN: Duration = Duration::from_secs(75);
+
+/// Tunables of [`BlockStore`]; the defaults are what the controller runs with.
+#[derive(Clone, Debug)]
+pub struct BlockOptions {
+    /// Addresses per block.
+    pub size: u64,
+    /// See [`DEFAULT_LEASE_DURATION`].
+    pub lease_duration: Duration,
+    /// See [`DEFAULT_MARGIN`].
+    pub margin: Duration,
+    /// How often the background task renews, observes and gives back; `None`: no task,
+    /// only explicit [`BlockStore::tick`] calls (tests).
+    pub renew_every: Option<Duration>,
+}
+
+impl Default for BlockOptions {
+    fn default() -> Self {
+        Self::new(DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_DURATION, DEFAULT_MARGIN).unwrap_or(Self {
+            size: DEFAULT_BLOCK_SIZE,
+            lease_duration: DEFAULT_LEASE_DURATION,
+            margin: DEFAULT_MARGIN,
+            renew_every: Some(Duration::from_secs(10)),
+        })
+    }
+}
+
+impl BlockOptions {
+    /// Options with a background task renewing four times per usable window
+    /// (`lease_duration − margin`). Errors say what is allowed.
+    pub fn new(size: u64, lease_duration: Duration, margin: Duration) -> Result<Self, String> {
+        if !(1..=65536).contains(&size) {
+            return Err(format!("invalid address block size {size}: must be from 1 to 65536"));
+        }
+        if margin >= lease_duration || margin.is_zero() {
+            return Err(format!("invalid address block margin {margin:?}: must be longer than 0 and shorter than the block lease duration ({lease_duration:?})"));
+        }
+        let window = lease_duration - margin;
+        Ok(Self { size, lease_duration, margin, renew_every: Some((window / 4).max(Duration::from_millis(100))) })
+    }
+}
+
+/// One block: offsets `[first, end)` of the usable addresses of its range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSpan {
+    pub index: u64,
+    pub first: u64,
+    pub end: u64,
+}
+
+/// The blocks of a range: the dynamic band cut into `size`-address blocks (the last one
+/// may be shorter), then the static band likewise. Returns (dynamic block count, total).
+pub fn layout(cidr: &ServiceCidr, size: u64) -> (u64, u64) {
+    let dynamic = (cidr.size() - cidr.band_offset()).div_ceil(size);
+    let stat = cidr.band_offset().div_ceil(size);
+    (dynamic, dynamic + stat)
+}
+
+/// Block `index` of a range (see [`layout`]), or None past the last.
+pub fn span(cidr: &ServiceCidr, size: u64, index: u64) -> Option<BlockSpan> {
+    let (dynamic, total) = layout(cidr, size);
+    if index >= total {
+        return None;
+    }
+    let (first, limit) = if index < dynamic {
+        (cidr.band_offset() + index * size, cidr.size())
+    } else {
+        ((index - dynamic) * size, cidr.band_offset())
+    };
+    Some(BlockSpan { index, first, end: (first + size).min(limit) })
+}
+
+/// The Lease name of a block: `clusterip-block-`, the range's network address in hex, its
+/// prefix length, and the block index (always a valid object name).
+pub fn block_name(cidr: &ServiceCidr, index: u64) -> String {
+    let bytes: Vec<u8> = match cidr.network() {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    };
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("clusterip-block-{hex}-{}-{index}", cidr.prefix_len())
+}
+
+/// Whether a holder may still pick from a block whose last confirmed renewal was sent at
+/// `confirmed`: strictly less than `lease_duration − margin` ago.
+pub fn usable(confirmed: Instant, now: Instant, lease_duration: Duration, margin: Duration) -> bool {
+    now.saturating_duration_since(confirmed) < lease_duration.saturating_sub(margin)
+}
+
+/// Whether an observer that first saw a Lease's current resourceVersion at `first_seen` may
+/// take it over at `now`: after the whole lease duration on its own clock.
+pub fn expired(first_seen: Instant, now: Instant, lease_duration: Duration) -> bool {
+    now.saturating_duration_since(first_seen) >= lease_duration
+}
+
+/// A block this replica holds.
+#[derive(Debug)]
+struct Held {
+    range: usize,
+    span: BlockSpan,
+    name: String,
+    /// The Lease as last written (its resourceVersion is the next update's precondition).
+    lease: Lease,
+    /// Send time of the last write of the Lease that the apiserver confirmed.
+    confirmed: Instant,
+    /// Where the next pick starts looking.
+    cursor: u64,
+    /// Recorded per the consistent list made when the block was taken, until the view shows
+    /// them (then the view covers them).
+    listed: HashSet<IpAddr>,
+    last_pick: Instant,
+    /// Being given back: no picks.
+    returning: bool,
+}
+
+/// An address answered (or requested) here and not yet seen recorded.
+#[derive(Clone, Debug)]
+struct Pending {
+    parent: Option<ParentRef>,
+}
+
+/// Another replica's block as this one observes it.
+#[derive(Clone, Debug)]
+struct Observed {
+    range: usize,
+    index: u64,
+    resource_version: String,
+    /// When this replica first saw that resourceVersion (its own monotonic clock).
+    since: Instant,
+    lease: Lease,
+}
+
+#[derive(Default)]
+struct State {
+    held: Vec<Held>,
+    pending: HashMap<IpAddr, Pending>,
+    /// Every listed block Lease of our ranges not held by us, by name.
+    observed: HashMap<String, Observed>,
+}
+
+/// Service addresses from exclusively held blocks; see the module docs.
+pub struct BlockStore {
+    leases: Api<Lease>,
+    addresses: Api<IPAddress>,
+    ranges: RangeSet,
+    recorded: ApiserverIps,
+    /// The holderIdentity written: the replica's identity and a per-process nonce.
+    holder: String,
+    options: BlockOptions,
+    state: Mutex<State>,
+    /// One acquisition at a time per range.
+    acquiring: Vec<tokio::sync::Mutex<()>>,
+    me: Weak<BlockStore>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The runtime [`BlockStore::open`] ran on: background work goes there.
+    runtime: tokio::runtime::Handle,
+}
+
+impl Drop for BlockStore {
+    fn drop(&mut self) {
+        if let Some(t) = lock(&self.task).take() {
+            t.abort();
+        }
+    }
+}
+
+
+fn api_err(what: &str, e: kube::Error) -> StoreError {
+    match e {
+        kube::Error::Api(s) if s.code < 500 && s.code != 429 => StoreError::Backend(format!("{what}: {} ({})", s.message, s.code)),
+        other => StoreError::Unavailable(format!("{what}: {other}")),
+    }
+}
+
+fn now_micro() -> MicroTime {
+    MicroTime(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// What one [`BlockStore::tick`] did (for tests and logs).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TickResult {
+    pub renewed: usize,
+    /// Blocks dropped because someone else holds them now (or their Lease is gone).
+    pub lost: Vec<String>,
+    pub given_back: Vec<String>,
+}
+
+impl BlockStore {
+    /// Blocks of `ranges` held through Leases in `namespace`, beside the cluster's IPAddress
+    /// view `recorded` (already synced). `identity` names the replica in the Leases.
+    pub async fn open(client: Client, namespace: &str, ranges: Vec<ServiceCidr>, recorded: ApiserverIps, identity: &str, options: BlockOptions) -> Result<Arc<Self>, StoreError> {
+        if ranges.is_empty() {
+            return Err(StoreError::Backend("no service CIDR configured".into()));
+        }
+        let nonce: u32 = rand::thread_rng().gen();
+        let holder = format!("{identity}/{nonce:08x}");
+        let acquiring = ranges.iter().map(|_| tokio::sync::Mutex::new(())).collect();
+        let me = Arc::new_cyclic(|weak| BlockStore {
+            leases: Api::namespaced(client.clone(), namespace),
+            addresses: Api::all(client),
+            ranges: RangeSet::new(ranges),
+            recorded,
+            holder,
+            options: options.clone(),
+            state: Mutex::default(),
+            acquiring,
+            me: weak.clone(),
+            task: Mutex::new(None),
+            runtime: tokio::runtime::Handle::current(),
+        });
+        me.observe().await?;
+        if let Some(every) = options.renew_every {
+            *lock(&me.task) = Some(tokio::spawn(tick_forever(Arc::downgrade(&me), every)));
+        }
+        // One block per range up front, so the first admissions do not wait for one.
+        for range in 0..me.ranges.cidrs().len() {
+            if let Err(e) = me.acquire(range).await {
+                warn!(range = %me.ranges.cidrs()[range], error = %e, "could not take an address block yet; trying again on the first admission");
+            }
+        }
+        Ok(me)
+    }
+
+    /// The holderIdentity this replica writes.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// Names of the blocks this replica holds and may pick from now.
+    pub fn held_blocks(&self) -> Vec<String> {
+        let now = Instant::now();
+        lock(&self.state).held.iter().filter(|h| self.usable(h, now)).map(|h| h.name.clone()).collect()
+    }
+
+    fn usable(&self, h: &Held, now: Instant) -> bool {
+        !h.returning && usable(h.confirmed, now, self.options.lease_duration, self.options.margin)
+    }
+
+    fn taken(&self, st: &State, ip: IpAddr) -> bool {
+        self.recorded.contains(ip) || st.pending.contains_key(&ip) || st.held.iter().any(|h| h.listed.contains(&ip))
+    }
+
+    /// Pick a free address of range `range` from a usable block, in memory. Returns the
+    /// address and whether the replica runs low: less than a whole block's worth left in its
+    /// usable blocks of the range, so the next block is taken while this one still answers
+    /// (a burst of one block's size never waits for a Lease and a consistent list).
+    fn pick(&self, range: usize, parent: Option<&ParentRef>) -> (Option<IpAddr>, bool) {
+        let now = Instant::now();
+        let cidr = &self.ranges.cidrs()[range];
+        let mut st = lock(&self.state);
+        let mut chosen = None;
+        for i in 0..st.held.len() {
+            let h = &st.held[i];
+            if h.range != range || !self.usable(h, now) {
+                continue;
+            }
+            let (first, len, cursor) = (h.span.first, h.span.end - h.span.first, h.cursor);
+            for k in 0..len {
+                let off = first + (cursor - first + k) % len;
+                let Some(ip) = cidr.ip_at(off) else { continue };
+                if !self.taken(&st, ip) {
+                    chosen = Some((i, off, ip));
+                    break;
+                }
+            }
+            if chosen.is_some() {
+                break;
+            }
+        }
+        if let Some((i, off, ip)) = chosen {
+            let h = &mut st.held[i];
+            h.cursor = if off + 1 >= h.span.end { h.span.first } else { off + 1 };
+            h.last_pick = now;
+            st.pending.insert(ip, Pending { parent: parent.cloned() });
+        }
+        let free = self.free_in(&st, range, now);
+        (chosen.map(|c| c.2), free < self.options.size)
+    }
+
+    /// Free addresses of `range` in usable blocks.
+    fn free_in(&self, st: &State, range: usize, now: Instant) -> u64 {
+        st.held.iter().filter(|h| h.range == range && self.usable(h, now)).map(|h| self.free_of(st, h)).sum()
+    }
+
+    /// Free addresses of one held block.
+    fn free_of(&self, st: &State, h: &Held) -> u64 {
+        let cidr = &self.ranges.cidrs()[h.range];
+        (h.span.first..h.span.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !self.taken(st, ip))).count() as u64
+    }
+
+    /// Take one more block of `range`: a block observed unchanged for the lease duration
+    /// (its holder gone) first, else a free dynamic block, else a free static one. Ok(false)
+    /// when every block is held.
+    async fn acquire(&self, range: usize) -> Result<bool, StoreError> {
+        let _one = self.acquiring[range].lock().await;
+        self.acquire_locked(range, Need::Now).await
+    }
+
+    /// See [`Self::acquire`]; the caller holds `acquiring[range]`. Ahead of need, a free
+    /// block is taken only while at least two are free: the last one is left to a replica
+    /// that has none.
+    async fn acquire_locked(&self, range: usize, need: Need) -> Result<bool, StoreError> {
+        let cidr = self.ranges.cidrs()[range].clone();
+        let size = self.options.size;
+        let (dynamic, total) = layout(&cidr, size);
+        for _attempt in 0..8 {
+            let now = Instant::now();
+            let (expired_one, busy): (Option<Observed>, HashSet<u64>) = {
+                let st = lock(&self.state);
+                let mut busy: HashSet<u64> = st.held.iter().filter(|h| h.range == range).map(|h| h.span.index).collect();
+                busy.extend(st.observed.values().filter(|o| o.range == range).map(|o| o.index));
+                let exp = st.observed.values().filter(|o| o.range == range && expired(o.since, now, self.options.lease_duration)).min_by_key(|o| o.index).cloned();
+                (exp, busy)
+            };
+            let got = if let Some(old) = expired_one {
+                self.take_over(range, old).await?
+            } else {
+                // A random free block, the dynamic band's first (fewer replicas meet on one).
+                if need == Need::Ahead && total.saturating_sub(busy.len() as u64) < 2 {
+                    return Ok(false);
+                }
+                let Some(index) = free_block(&busy, dynamic, total) else { return Ok(false) };
+                self.create(range, index).await?
+            };
+            if got {
+                return Ok(true);
+            }
+            // Someone else was quicker: look again.
+            self.observe().await?;
+        }
+        Err(StoreError::Unavailable(format!("could not take an address block of {cidr}: others took each one tried first")))
+    }
+
+    fn block_lease(&self, cidr: &ServiceCidr, span: BlockSpan) -> Lease {
+        let mut labels = BTreeMap::new();
+        labels.insert(BLOCK_LABEL.to_string(), "true".to_string());
+        let mut annotations = BTreeMap::new();
+        annotations.insert(RANGE_ANNOTATION.to_string(), cidr.to_string());
+        if let (Some(a), Some(b)) = (cidr.ip_at(span.first), cidr.ip_at(span.end - 1)) {
+            annotations.insert(ADDRESSES_ANNOTATION.to_string(), format!("{a}-{b}"));
+        }
+        Lease {
+            metadata: ObjectMeta { name: Some(block_name(cidr, span.index)), labels: Some(labels), annotations: Some(annotations), ..Default::default() },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(self.holder.clone()),
+                lease_duration_seconds: Some(self.options.lease_duration.as_secs().max(1).min(i32::MAX as u64) as i32),
+                acquire_time: Some(now_micro()),
+                renew_time: Some(now_micro()),
+                lease_transitions: Some(0),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// Create the Lease of a free block. Ok(false): someone else created it first.
+    async fn create(&self, range: usize, index: u64) -> Result<bool, StoreError> {
+        let cidr = &self.ranges.cidrs()[range];
+        let Some(span) = span(cidr, self.options.size, index) else { return Ok(false) };
+        let sent = Instant::now();
+        match self.leases.create(&PostParams::default(), &self.block_lease(cidr, span)).await {
+            Ok(lease) => {
+                self.adopt(range, span, lease, sent).await?;
+                Ok(true)
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            Err(e) => Err(api_err(&format!("creating the Lease of address block {}", block_name(cidr, index)), e)),
+        }
+    }
+
+    /// Take over a block whose Lease this replica observed unchanged for the lease
+    /// duration: an update with the observed resourceVersion as precondition.
+    async fn take_over(&self, range: usize, old: Observed) -> Result<bool, StoreError> {
+        let cidr = &self.ranges.cidrs()[range];
+        let Some(span) = span(cidr, self.options.size, old.index) else { return Ok(false) };
+        let name = block_name(cidr, old.index);
+        let mut lease = self.block_lease(cidr, span);
+        lease.metadata.resource_version = Some(old.resource_version.clone());
+        let transitions = old.lease.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0);
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.lease_transitions = Some(transitions.saturating_add(1));
+        }
+        let previous = old.lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
+        let sent = Instant::now();
+        match self.leases.replace(&name, &PostParams::default(), &lease).await {
+            Ok(lease) => {
+                info!(block = %name, %previous, "took over an address block its holder stopped renewing");
+                lock(&self.state).observed.remove(&name);
+                self.adopt(range, span, lease, sent).await?;
+                Ok(true)
+            }
+            // Changed meanwhile (renewed, or taken by someone else), or gone.
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                lock(&self.state).observed.remove(&name);
+                Ok(false)
+            }
+            Err(e) => Err(api_err(&format!("taking over address block {name}"), e)),
+        }
+    }
+
+    /// A block is ours: list the IPAddresses with a consistent read before answering from
+    /// it, so that whatever the previous holder answered and the apiserver stored is seen
+    /// whatever our watch shows.
+    async fn adopt(&self, range: usize, span: BlockSpan, lease: Lease, sent: Instant) -> Result<(), StoreError> {
+        let cidr = &self.ranges.cidrs()[range];
+        let name = block_name(cidr, span.index);
+        let listed = match self.addresses.list(&ListParams::default()).await {
+            Ok(l) => l,
+            Err(e) => {
+                // Not usable without a fresh view: hand it back (or let it expire).
+                self.give_back_lease(&name, &lease).await;
+                return Err(api_err("listing IPAddresses after taking an address block", e));
+            }
+        };
+        let listed: HashSet<IpAddr> = listed
+            .items
+            .iter()
+            .filter_map(|o| crate::cidr::parse_ip(o.metadata.name.as_deref()?).ok())
+            .filter(|ip| cidr.offset_of(*ip).is_some_and(|off| off >= span.first && off < span.end))
+            .collect();
+        debug!(block = %name, recorded = listed.len(), "address block taken");
+        let cursor = span.first + rand::thread_rng().gen_range(0..span.end - span.first);
+        lock(&self.state).held.push(Held { range, span, name, lease, confirmed: sent, cursor, listed, last_pick: Instant::now(), returning: false });
+        Ok(())
+    }
+
+    async fn give_back_lease(&self, name: &str, lease: &Lease) -> bool {
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions { uid: lease.metadata.uid.clone(), resource_version: lease.metadata.resource_version.clone() }),
+            ..Default::default()
+        };
+        match self.leases.delete(name, &dp).await {
+            Ok(_) => true,
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => true,
+            Err(e) => {
+                warn!(block = %name, error = %e, "could not give an address block back; it expires instead");
+                false
+            }
+        }
+    }
+
+    /// List the block Leases of our ranges and note, on this replica's clock, since when
+    /// each one not held here has kept its resourceVersion.
+    async fn observe(&self) -> Result<(), StoreError> {
+        let list = self.leases.list(&ListParams::default().labels(BLOCK_LABEL)).await.map_err(|e| api_err("listing address block Leases", e))?;
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let mine: HashSet<String> = st.held.iter().map(|h| h.name.clone()).collect();
+        let mut seen = HashSet::new();
+        for lease in list.items {
+            let Some(name) = lease.metadata.name.clone() else { continue };
+            let Some(rv) = lease.metadata.resource_version.clone() else { continue };
+            let Some((range, index)) = self.block_of(&name) else { continue };
+            if mine.contains(&name) {
+                continue;
+            }
+            seen.insert(name.clone());
+            match st.observed.get_mut(&name) {
+                Some(o) if o.resource_version == rv => o.lease = lease,
+                _ => {
+                    st.observed.insert(name, Observed { range, index, resource_version: rv, since: now, lease });
+                }
+            }
+        }
+        st.observed.retain(|n, _| seen.contains(n));
+        Ok(())
+    }
+
+    /// (range, index) of a block Lease name of ours.
+    fn block_of(&self, name: &str) -> Option<(usize, u64)> {
+        let rest = name.strip_prefix("clusterip-block-")?;
+        let (prefix, index) = rest.rsplit_once('-')?;
+        let index: u64 = index.parse().ok()?;
+        let range = self.ranges.cidrs().iter().position(|c| block_name(c, 0).strip_suffix("-0") == Some(&format!("clusterip-block-{prefix}")))?;
+        span(&self.ranges.cidrs()[range], self.options.size, index)?;
+        Some((range, index))
+    }
+
+    /// Renew the blocks held, observe the others, settle picks the view shows recorded,
+    /// give idle blocks back. The background task runs it every `renew_every`.
+    pub async fn tick(&self) -> TickResult {
+        let mut result = TickResult::default();
+        // Picks and listed addresses the view shows recorded: the view covers them now.
+        {
+            let mut st = lock(&self.state);
+            let recorded = &self.recorded;
+            st.pending.retain(|ip, _| !recorded.contains(*ip));
+            for h in st.held.iter_mut() {
+                h.listed.retain(|ip| !recorded.contains(*ip));
+            }
+        }
+        let targets: Vec<(String, Lease)> = lock(&self.state).held.iter().filter(|h| !h.returning).map(|h| (h.name.clone(), h.lease.clone())).collect();
+        for (name, lease) in targets {
+            match self.renew(&name, lease).await {
+                Renewal::Renewed => result.renewed += 1,
+                Renewal::Lost => {
+                    warn!(block = %name, "address block lost (taken over or deleted); no longer answering from it");
+                    lock(&self.state).held.retain(|h| h.name != name);
+                    result.lost.push(name);
+                }
+                Renewal::Failed => {}
+            }
+        }
+        if let Err(e) = self.observe().await {
+            warn!(error = %e, "could not list address block Leases; trying again");
+        }
+        result.given_back = self.give_back_idle().await;
+        result
+    }
+
+    async fn renew(&self, name: &str, mut lease: Lease) -> Renewal {
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.renew_time = Some(now_micro());
+        }
+        let sent = Instant::now();
+        match self.leases.replace(name, &PostParams::default(), &lease).await {
+            Ok(new) => {
+                let mut st = lock(&self.state);
+                if let Some(h) = st.held.iter_mut().find(|h| h.name == name) {
+                    h.lease = new;
+                    h.confirmed = sent;
+                }
+                Renewal::Renewed
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => Renewal::Lost,
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                // Our own earlier write may have been applied without our seeing the answer:
+                // still ours if we are the holder (the nonce is this process's); then adopt
+                // its resourceVersion, but not a newer confirmation time.
+                match self.leases.get_opt(name).await {
+                    Ok(Some(cur)) if cur.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some(self.holder.as_str()) => {
+                        let mut st = lock(&self.state);
+                        if let Some(h) = st.held.iter_mut().find(|h| h.name == name) {
+                            h.lease = cur;
+                        }
+                        Renewal::Failed
+                    }
+                    Ok(_) => Renewal::Lost,
+                    Err(e) => {
+                        warn!(block = %name, error = %e, "could not read an address block Lease after a conflict; trying again");
+                        Renewal::Failed
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(block = %name, error = %e, "could not renew an address block; trying again");
+                Renewal::Failed
+            }
+        }
+    }
+
+    /// Give back blocks nothing was picked from for a lease duration, with no pick pending,
+    /// while the other usable blocks of the same range still have a whole block's worth free
+    /// (so giving one back never makes the replica run low and take another at once).
+    async fn give_back_idle(&self) -> Vec<String> {
+        let now = Instant::now();
+        let chosen: Vec<(String, Lease)> = {
+            let mut st = lock(&self.state);
+            let mut out = Vec::new();
+            for range in 0..self.ranges.cidrs().len() {
+                let cidr = &self.ranges.cidrs()[range];
+                let in_block = |ip: &IpAddr, h: &Held| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end);
+                let free_in_range = self.free_in(&st, range, now);
+                let idle = st.held.iter().position(|h| {
+                    h.range == range
+                        && self.usable(h, now)
+                        && now.saturating_duration_since(h.last_pick) >= self.options.lease_duration
+                        && !st.pending.keys().any(|ip| in_block(ip, h))
+                        && free_in_range.saturating_sub(self.free_of(&st, h)) >= self.options.size
+                });
+                if let Some(i) = idle {
+                    let h = &mut st.held[i];
+                    h.returning = true;
+                    out.push((h.name.clone(), h.lease.clone()));
+                }
+            }
+            out
+        };
+        let mut done = Vec::new();
+        for (name, lease) in chosen {
+            self.give_back_lease(&name, &lease).await;
+            lock(&self.state).held.retain(|h| h.name != name);
+            done.push(name);
+        }
+        done
+    }
+
+    fn range_of_block(&self, ip: IpAddr) -> Option<usize> {
+        self.ranges.cidrs().iter().position(|c| c.contains(ip))
+    }
+}
+
+enum Renewal {
+    Renewed,
+    Lost,
+    Failed,
+}
+
+/// Why a block is being taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    /// An admission waits for it (or the replica holds none of the range).
+    Now,
+    /// The replica runs low; its blocks still answer.
+    Ahead,
+}
+
+/// A free block index: a random dynamic one not in `busy`, else the first free static one.
+fn free_block(busy: &HashSet<u64>, dynamic: u64, total: u64) -> Option<u64> {
+    let pick = |from: u64, to: u64| -> Option<u64> {
+        if from >= to {
+            return None;
+        }
+        let n = to - from;
+        let start = rand::thread_rng().gen_range(0..n);
+        // Bounded probe: a /64's band has more blocks than any list could hold.
+        (0..n.min(1 << 20)).map(|k| from + (start + k) % n).find(|i| !busy.contains(i))
+    };
+    pick(0, dynamic).or_else(|| pick(dynamic, total))
+}
+
+async fn tick_forever(weak: Weak<BlockStore>, every: Duration) {
+    let mut interval = tokio::time::interval(every);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval.tick().await;
+    loop {
+        interval.tick().await;
+        let Some(me) = weak.upgrade() else { return };
+        let r = me.tick().await;
+        if !r.given_back.is_empty() {
+            debug!(blocks = ?r.given_back, "gave idle address blocks back");
+        }
+    }
+}
+
+#[async_trait]
+impl AllocationStore for BlockStore {
+    fn backend(&self) -> &'static str {
+        "ipaddress"
+    }
+
+    fn ranges(&self) -> Vec<ServiceCidr> {
+        self.ranges.cidrs().to_vec()
+    }
+
+    /// A requested address: refused when the view shows it recorded or this replica has it
+    /// pending (the admission then reads the apiserver's record to decide); otherwise held
+    /// pending here, so this replica never picks it dynamically, until the view shows it.
+    async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
+        self.ranges.index_of(ip)?;
+        let mut st = lock(&self.state);
+        if self.taken(&st, ip) {
+            return Err(StoreError::Alloc(AllocError::Allocated));
+        }
+        st.pending.insert(ip, Pending { parent: parent.cloned() });
+        Ok(())
+    }
+
+    async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
+        let ranges = self.ranges.of_family(family)?;
+        for range in ranges {
+            loop {
+                let (ip, low) = self.pick(range, parent);
+                if low {
+                    // Take the next block ahead of need, unless one is being taken already —
+                    // on the runtime the store was opened on: the answer's own runtime (the
+                    // webhook's thread) is not held by a Lease write and a list of every
+                    // IPAddress.
+                    if let Some(me) = self.me.upgrade() {
+                        self.runtime.spawn(async move {
+                            let Ok(_one) = me.acquiring[range].try_lock() else { return };
+                            if let Err(e) = me.acquire_locked(range, Need::Ahead).await {
+                                warn!(error = %e, "could not take another address block ahead of need");
+                            }
+                        });
+                    }
+                }
+                if let Some(ip) = ip {
+                    return Ok(ip);
+                }
+                // Nothing free in our blocks: wait for a block (ours, or one another request
+                // is taking right now), then look again.
+                let _one = self.acquiring[range].lock().await;
+                let (ip, _) = self.pick(range, parent);
+                if let Some(ip) = ip {
+                    return Ok(ip);
+                }
+                if !self.acquire_locked(range, Need::Now).await? {
+                    break;
+                }
+            }
+        }
+        Err(StoreError::Alloc(AllocError::Full))
+    }
+
+    /// A Service gave the address up (the Service reconciler, after reading that the
+    /// apiserver no longer records it): forget it as listed. A pick pending for a newer
+    /// admission stays.
+    async fn release(&self, ip: IpAddr) -> Result<(), StoreError> {
+        let mut st = lock(&self.state);
+        for h in st.held.iter_mut() {
+            h.listed.remove(&ip);
+        }
+        Ok(())
+    }
+
+    /// The admission that answered `ip` for `owner` gives it back (its request failed, or
+    /// the apiserver never recorded it within the in-flight limit).
+    async fn release_owned(&self, ip: IpAddr, owner: &ParentRef) -> Result<(), StoreError> {
+        let mut st = lock(&self.state);
+        if st.pending.get(&ip).is_some_and(|p| p.parent.as_ref().is_none_or(|p| p == owner)) {
+            st.pending.remove(&ip);
+        }
+        Ok(())
+    }
+
+    async fn has(&self, ip: IpAddr) -> Result<bool, StoreError> {
+        Ok(self.taken(&lock(&self.state), ip))
+    }
+
+    async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
+        let st = lock(&self.state);
+        let mut all: Vec<IpAddr> = self.recorded.snapshot();
+        all.extend(st.pending.keys().copied());
+        all.extend(st.held.iter().flat_map(|h| h.listed.iter().copied()));
+        all.retain(|ip| self.range_of_block(*ip).is_some());
+        all.sort();
+        all.dedup();
+        Ok(all)
+    }
+
+    fn unreadable(&self) -> Vec<super::Unreadable> {
+        self.recorded.unreadable()
+    }
+
+    /// One bounded round trip to the kube-apiserver (the kube client has no read timeout):
+    /// a one-item list of the block Leases.
+    async fn ready(&self) -> Result<(), StoreError> {
+        let one = ListParams::default().labels(BLOCK_LABEL).limit(1);
+        match tokio::time::timeout(READY_TIMEOUT, self.leases.list_metadata(&one)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(api_err("listing address block Leases", e)),
+            Err(_) => Err(StoreError::Unavailable(format!("listing address block Leases: the kube-apiserver did not answer within {READY_TIMEOUT:?}"))),
+        }
+    }
+
+    async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
+        let all = self.allocated().await?;
+        Ok(self
+            .ranges
+            .cidrs()
+            .iter()
+            .map(|c| {
+                let used = all.iter().filter(|ip| c.contains(**ip)).count() as u64;
+                RangeUsage { cidr: c.clone(), used, free: c.size().saturating_sub(used), pooled: 0 }
+            })
+            .collect())
+    }
+
+    /// Give back every block with no pick pending (the others expire after the lease
+    /// duration, once their answers are stored or failed).
+    async fn close(&self) -> Result<(), StoreError> {
+        if let Some(t) = lock(&self.task).take() {
+            t.abort();
+        }
+        let chosen: Vec<(String, Lease)> = {
+            let mut st = lock(&self.state);
+            let pending: Vec<IpAddr> = st.pending.keys().copied().collect();
+            let cidrs = self.ranges.cidrs();
+            let mut out = Vec::new();
+            for h in st.held.iter_mut() {
+                h.returning = true;
+                let busy = pending.iter().any(|ip| cidrs[h.range].offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end));
+                if !busy {
+                    out.push((h.name.clone(), h.lease.clone()));
+                }
+            }
+            out
+        };
+        for (name, lease) in chosen {
+            if self.give_back_lease(&name, &lease).await {
+                lock(&self.state).held.retain(|h| h.name != name);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_the_dynamic_band_first_then_the_static_band() {
+        // /21: 2046 usable, static band 128.
+        let c = ServiceCidr::parse("198.19.104.0/21").expect("cidr");
+        assert_eq!(layout(&c, 256), (8, 9));
+        assert_eq!(span(&c, 256, 0), Some(BlockSpan { index: 0, first: 128, end: 384 }));
+        assert_eq!(span(&c, 256, 7), Some(BlockSpan { index: 7, first: 1920, end: 2046 }));
+        assert_eq!(span(&c, 256, 8), Some(BlockSpan { index: 8, first: 0, end: 128 }));
+        assert_eq!(span(&c, 256, 9), None);
+        // Every usable address is in exactly one block.
+        let mut seen = vec![0u8; c.size() as usize];
+        for i in 0..layout(&c, 100).1 {
+            let s = span(&c, 100, i).expect("span");
+            for off in s.first..s.end {
+                seen[off as usize] += 1;
+            }
+        }
+        assert!(seen.iter().all(|n| *n == 1));
+    }
+
+    #[test]
+    fn block_names_are_valid_and_distinct_per_range() {
+        let a = ServiceCidr::parse("198.19.104.0/21").expect("cidr");
+        let b = ServiceCidr::parse("fd00:10:96::6800/117").expect("cidr");
+        assert_eq!(block_name(&a, 3), "clusterip-block-c6136800-21-3");
+        assert_eq!(block_name(&b, 0), "clusterip-block-fd000010009600000000000000006800-117-0");
+    }
+
+    #[test]
+    fn a_holder_stops_picking_a_margin_before_anyone_may_take_over() {
+        let t0 = Instant::now();
+        let (d, m) = (Duration::from_secs(120), Duration::from_secs(75));
+        assert!(usable(t0, t0 + Duration::from_secs(44), d, m));
+        assert!(!usable(t0, t0 + Duration::from_secs(45), d, m));
+        // An observer that saw the renewal at or after it was sent takes over no earlier
+        // than 120 s later: 75 s after the holder's last possible pick.
+        assert!(!expired(t0, t0 + Duration::from_secs(119), d));
+        assert!(expired(t0, t0 + d, d));
+        // A clock that seems to run backwards never expires anything.
+        assert!(!expired(t0 + d, t0, d));
+    }
+
+    #[test]
+    fn options_refuse_a_margin_that_leaves_no_window() {
+        assert!(BlockOptions::new(256, Duration::from_secs(120), Duration::from_secs(120)).is_err());
+        assert!(BlockOptions::new(0, Duration::from_secs(120), Duration::from_secs(75)).is_err());
+        let o = BlockOptions::new(256, Duration::from_secs(120), Duration::from_secs(75)).expect("defaults");
+        assert_eq!(o.renew_every, Some(Duration::from_millis(11_250)));
+    }
+
+    #[test]
+    fn free_blocks_come_from_the_dynamic_band_first() {
+        let busy: HashSet<u64> = (0..7).collect();
+        assert_eq!(free_block(&busy, 8, 9), Some(7));
+        let busy: HashSet<u64> = (0..8).collect();
+        assert_eq!(free_block(&busy, 8, 9), Some(8));
+        let busy: HashSet<u64> = (0..9).collect();
+        assert_eq!(free_block(&busy, 8, 9), None);
+    }
+}

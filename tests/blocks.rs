@@ -1,0 +1,288 @@
+//! The IPAddress backend's address blocks (`src/store/blocks.rs`) against a real
+//! kube-apiserver: replicas answer dynamic requests from memory, only inside blocks they
+//! hold, and no address is answered twice when a holder crashes, pauses, or its watch lags,
+//! or when the apiserver restarts.
+//!
+//! Replicas here run without their background task; the test calls `tick()` (renew,
+//! observe) at the points of the interleaving it reproduces. A replica's IPAddress view is
+//! held back with `ApiserverIps::fixed` to make a lagging watch deterministic. Each test has
+//! a /28 of its own in the apiserver's static band (198.19.0.128/26: its own dynamic
+//! allocation never lands there; no other test uses it): a /28 has no static band of its
+//! own, so with 16-address blocks it is one block of 14 addresses, which only one replica
+//! can hold.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clusterip::alloc::AllocError;
+use clusterip::cidr::{Family, ServiceCidr};
+use clusterip::store::apiserver_ips::ApiserverIps;
+use clusterip::store::blocks::{block_name, BlockOptions, BlockStore};
+use clusterip::store::{AllocationStore, ParentRef, StoreError};
+use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::networking::v1::IPAddress;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::Client;
+use serde_json::json;
+
+/// Namespaces of this file's tests start with this; an earlier run's leftovers are found by it.
+const PREFIX: &str = "blk";
+
+/// Lease duration D and margin M of the test replicas: a holder answers from a block for
+/// D − M = 20 s after each confirmed renewal (room for a loaded machine), and an observer
+/// takes over after watching the Lease unchanged for 30 s.
+const D: Duration = Duration::from_secs(30);
+const M: Duration = Duration::from_secs(10);
+
+fn options() -> BlockOptions {
+    BlockOptions { size: 16, lease_duration: D, margin: M, renew_every: None }
+}
+
+struct Fixture {
+    client: Client,
+    ns: String,
+    range: ServiceCidr,
+}
+
+impl Fixture {
+    async fn new(cp: &ControlPlane, range: &str) -> Fixture {
+        let client = cp.client().await;
+        let ns = unique_name(PREFIX);
+        let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}})).expect("namespace");
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &obj).await.expect("create namespace");
+        Fixture { client, ns, range: ServiceCidr::parse(range).expect("range") }
+    }
+
+    fn parent(&self, name: &str) -> ParentRef {
+        ParentRef::service(&self.ns, name)
+    }
+
+    async fn replica(&self, name: &str, view: ApiserverIps) -> Arc<BlockStore> {
+        BlockStore::open(self.client.clone(), &self.ns, vec![self.range.clone()], view, name, options()).await.expect("open the block store")
+    }
+
+    async fn live_view(&self) -> ApiserverIps {
+        let (view, mut synced, _task) = ApiserverIps::start(self.client.clone());
+        tokio::time::timeout(Duration::from_secs(60), synced.wait_for(|s| *s)).await.expect("IPAddress list within 60s").expect("watch running");
+        view
+    }
+
+    fn block(&self) -> String {
+        block_name(&self.range, 0)
+    }
+
+    async fn holder(&self) -> Option<String> {
+        let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.ns);
+        leases.get_opt(&self.block()).await.expect("read the block Lease").and_then(|l| l.spec).and_then(|s| s.holder_identity)
+    }
+
+    /// The range free in the apiserver: leftovers of an earlier run of this file (Services
+    /// in its namespaces) are deleted; anyone else holding an address fails the test.
+    async fn free_range(&self) {
+        let addresses: Api<IPAddress> = Api::all(self.client.clone());
+        for off in 0..self.range.size() {
+            let Some(ip) = self.range.ip_at(off) else { continue };
+            if let Some(rec) = addresses.get_opt(&ip.to_string()).await.expect("read IPAddress") {
+                let p = rec.spec.parent_ref;
+                let ns = p.namespace.unwrap_or_default();
+                assert!(ns.starts_with(PREFIX), "{ip} is held by {}/{ns}/{}, not by an earlier run of this test", p.resource, p.name);
+                let _ = Api::<Service>::namespaced(self.client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for off in 0..self.range.size() {
+            let Some(ip) = self.range.ip_at(off) else { continue };
+            while addresses.get_opt(&ip.to_string()).await.expect("read IPAddress").is_some() {
+                assert!(Instant::now() < deadline, "{ip} still recorded after 60s");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    /// What the apiserver does with an answer: store a Service with that address.
+    async fn store_service(&self, name: &str, ip: IpAddr) {
+        let svc: Service = serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"clusterIP": ip.to_string(), "ports": [{"port": 80}]}})).expect("service");
+        Api::<Service>::namespaced(self.client.clone(), &self.ns).create(&PostParams::default(), &svc).await.expect("the apiserver stores the answered address");
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let (client, ns) = (self.client.clone(), self.ns.clone());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                let _ = Api::<Namespace>::all(client).delete(&ns, &DeleteParams::default()).await;
+            });
+        })
+        .join();
+    }
+}
+
+fn is_full<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
+    matches!(r, Err(StoreError::Alloc(AllocError::Full)))
+}
+
+/// Everything a replica can still pick, until it reports the range full.
+async fn drain(r: &BlockStore, parent: &ParentRef) -> Vec<IpAddr> {
+    let mut got = Vec::new();
+    loop {
+        match r.allocate_next(Family::IPv4, Some(parent)).await {
+            Ok(ip) => got.push(ip),
+            Err(StoreError::Alloc(AllocError::Full)) => return got,
+            Err(e) => panic!("picking: {e}"),
+        }
+        assert!(got.len() <= 14, "more picks than addresses: {got:?}");
+    }
+}
+
+/// Replica A holds the block, answers X, and the apiserver stores X; A then crashes (no
+/// renewal, no give-back). Replica B's watch lags: its view never shows X. B answers
+/// nothing from A's block until it has watched A's Lease unchanged for the lease duration;
+/// then it takes the block over and — reading the IPAddresses from storage before its
+/// first answer — never answers X.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_holders_block_is_taken_over_late_and_its_answers_are_seen_through_a_lagging_watch() {
+    let cp = control_plane();
+    let fx = Fixture::new(&cp, "198.19.0.128/28").await;
+    fx.free_range().await;
+    let a = fx.replica("replica-a", fx.live_view().await).await;
+    assert_eq!(a.held_blocks(), vec![fx.block()], "A took the range's only block at start");
+    let b_opened = Instant::now();
+    let b = fx.replica("replica-b", ApiserverIps::fixed([])).await;
+    assert!(b.held_blocks().is_empty());
+
+    let x = a.allocate_next(Family::IPv4, Some(&fx.parent("first"))).await.expect("A answers from memory");
+    fx.store_service("first", x).await;
+    drop(a); // a crash: the Lease stays, unrenewed
+
+    // B answers nothing from a block another replica may still answer from.
+    let r = b.allocate_next(Family::IPv4, Some(&fx.parent("early"))).await;
+    assert!(is_full(&r), "B answered {r:?} from A's block before it could know A was gone");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let first = loop {
+        b.tick().await;
+        match b.allocate_next(Family::IPv4, Some(&fx.parent("second"))).await {
+            Ok(ip) => break ip,
+            Err(e) => assert!(is_full(&Err::<(), _>(e)), "B failed otherwise"),
+        }
+        assert!(Instant::now() < deadline, "B did not take the block over within 180s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(b_opened.elapsed() >= D, "B took the block over {:?} after it first saw A's Lease, before the lease duration {D:?}", b_opened.elapsed());
+    assert!(fx.holder().await.is_some_and(|h| h.starts_with("replica-b/")), "the block Lease names B");
+    let mut picked = vec![first];
+    picked.extend(drain(&b, &fx.parent("rest")).await);
+    assert!(!picked.contains(&x), "B answered {x}, which A had answered and the apiserver stored; B's picks: {picked:?}");
+    assert_eq!(picked.iter().collect::<BTreeSet<_>>().len(), 13, "B answers every other address of the block once: {picked:?}");
+}
+
+/// A holder that cannot renew (paused, cut off) stops answering from its block once its
+/// last confirmed renewal is D − M old, well before anyone may take the block over; once
+/// another replica took it over, the holder's next renewal is refused and it drops the
+/// block for good. Each address is answered by one replica only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_missed_its_renewals_stops_answering_before_a_takeover() {
+    let cp = control_plane();
+    let fx = Fixture::new(&cp, "198.19.0.144/28").await;
+    fx.free_range().await;
+    let live = fx.live_view().await;
+    let a_opened = Instant::now();
+    let a = fx.replica("replica-a", live.clone()).await;
+    let b = fx.replica("replica-b", live.clone()).await;
+    let x = a.allocate_next(Family::IPv4, Some(&fx.parent("a-0"))).await.expect("A answers");
+    fx.store_service("a-0", x).await;
+
+    // No renewal (a pause): A answers, until its last confirmed renewal (its Lease's create,
+    // sent after `a_opened`) is D − M old; then nothing, though nobody took over yet.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        match a.allocate_next(Family::IPv4, Some(&fx.parent("a-more"))).await {
+            // (Given back at once, so the block never runs out.)
+            Ok(ip) => a.release_owned(ip, &fx.parent("a-more")).await.expect("release"),
+            Err(e) => {
+                assert!(is_full(&Err::<(), _>(e)), "A failed otherwise");
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "A kept answering without renewals");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let stopped_after = a_opened.elapsed();
+    assert!(stopped_after >= D - M, "A stopped answering {stopped_after:?} after its last renewal, before D − M");
+    assert!(fx.holder().await.is_some_and(|h| h.starts_with("replica-a/")), "nobody took the block over before D");
+
+    // B takes over after watching the Lease unchanged for D.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let b_first = loop {
+        b.tick().await;
+        if let Ok(ip) = b.allocate_next(Family::IPv4, Some(&fx.parent("b-0"))).await {
+            break ip;
+        }
+        assert!(Instant::now() < deadline, "B did not take the block over within 180s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let mut picked = vec![b_first];
+    picked.extend(drain(&b, &fx.parent("b-rest")).await);
+    assert!(!picked.contains(&x), "B answered {x}, which A had answered and the apiserver stored: {picked:?}");
+    // A comes back: its renewal is refused; it drops the block and answers nothing from it.
+    let t = a.tick().await;
+    assert_eq!(t.lost, vec![fx.block()], "A did not notice the takeover: {t:?}");
+    assert!(a.held_blocks().is_empty());
+    let r = a.allocate_next(Family::IPv4, Some(&fx.parent("after"))).await;
+    assert!(is_full(&r), "A answered {r:?} after losing its block");
+}
+
+/// The kube-apiserver is down for longer than the lease duration (a private control plane:
+/// this test stops it). Neither replica can renew or observe meanwhile. After the restart,
+/// the observer's old observation of the Lease lets it race the holder's renewal: exactly
+/// one of them wins, and only the winner answers from the block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_apiserver_restart_exactly_one_replica_answers_from_a_block() {
+    let cp = Arc::new(ControlPlane::private("blocks-restart"));
+    let fx = Fixture::new(&cp, "198.19.0.160/28").await;
+    let live = fx.live_view().await;
+    let a = fx.replica("replica-a", live.clone()).await;
+    let b = fx.replica("replica-b", ApiserverIps::fixed([])).await;
+    let x = a.allocate_next(Family::IPv4, Some(&fx.parent("first"))).await.expect("A answers");
+    fx.store_service("first", x).await;
+    b.tick().await; // B has seen A's Lease as it is now
+
+    cp.stop("kube-apiserver");
+    let stopped = Instant::now();
+    // Both keep trying while it is down: renewals and lists fail, nothing is taken over.
+    while stopped.elapsed() < D + Duration::from_secs(2) {
+        let ta = a.tick().await;
+        assert!(ta.lost.is_empty(), "A dropped its block while the apiserver was down: {ta:?}");
+        b.tick().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(a.allocate_next(Family::IPv4, Some(&fx.parent("down"))).await.is_err(), "A answered from a block it could not renew for D");
+    cp.start("kube-apiserver");
+
+    // Both act at once: A renews, B (whose observation is older than D) tries to take over.
+    let (ta, tb) = tokio::join!(a.tick(), async {
+        let r = b.allocate_next(Family::IPv4, Some(&fx.parent("b"))).await;
+        (r, b.tick().await)
+    });
+    let _ = tb.1;
+    let holder = fx.holder().await.expect("the block Lease exists");
+    let (winner, loser) = if holder.starts_with("replica-a/") { (&a, &b) } else { (&b, &a) };
+    if holder.starts_with("replica-b/") {
+        // A's renewal was refused (or is at the next tick).
+        a.tick().await;
+        assert!(a.held_blocks().is_empty(), "A kept a block B took over: {ta:?}");
+    }
+    assert!(loser.held_blocks().is_empty(), "both replicas hold the block");
+    assert_eq!(winner.held_blocks(), vec![fx.block()]);
+    let mut picked: Vec<IpAddr> = tb.0.into_iter().collect();
+    picked.extend(drain(winner, &fx.parent("rest")).await);
+    picked.extend(drain(loser, &fx.parent("rest")).await);
+    let unique: BTreeSet<IpAddr> = picked.iter().copied().collect();
+    assert_eq!(unique.len(), picked.len(), "an address was answered twice: {picked:?}");
+    assert!(!unique.contains(&x), "{x} (stored before the restart) was answered again: {picked:?}");
+}

@@ -4,7 +4,8 @@
 #   scripts/dev-cluster.sh up       build (once, cached), start, wait for /readyz, print KUBECONFIG
 #   scripts/dev-cluster.sh down     stop exactly what `up` started (pid files) and remove the state
 #   scripts/dev-cluster.sh status   say what runs; exit 0 when everything is up and ready
-#   scripts/dev-cluster.sh stop C   stop one component (etcd, kube-apiserver) of a running cluster
+#   scripts/dev-cluster.sh stop C   stop one component (etcd, kube-apiserver; etcd-2, etcd-3,
+#                                   kube-apiserver-2 when started) of a running cluster
 #   scripts/dev-cluster.sh start C  start it again with the same state, ports and flags
 #                                   (fault tests use these two)
 #   scripts/dev-cluster.sh reap     remove what runs whose owner is gone left behind: clusters,
@@ -23,6 +24,14 @@
 #
 # Components are started in order and stopped in reverse order; each has a start_<name>
 # function, a pid file and a readiness check. The clusterip controller joins the list later.
+#
+# Opt-in shapes for fault tests (the default is one etcd member and one apiserver):
+#   CLUSTERIP_ETCD_MEMBERS=3  an etcd cluster of three members on loopback: etcd, etcd-2,
+#                             etcd-3, each with its own data dir and ports; the apiserver
+#                             and the controller are given every member's endpoint
+#   CLUSTERIP_APISERVERS=2    a second kube-apiserver, kube-apiserver-2, on its own port with
+#                             the same flags, PKI and etcd (CLUSTERIP_APISERVER_2 and
+#                             KUBECONFIG_2 in the env file)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,8 +50,18 @@ CONTROLLER_CIDRS=${CLUSTERIP_SERVICE_CIDRS:-198.19.0.0/17,fd00:10:96::/113}
 # clusterip webhook accepts.
 WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
 # CLUSTERIP_CONTROLLER=0 leaves the clusterip controller out (the test suite starts its own).
-ALL_COMPONENTS=(etcd kube-apiserver clusterip-controller)
-COMPONENTS=(etcd kube-apiserver)
+ALL_COMPONENTS=(etcd etcd-2 etcd-3 kube-apiserver kube-apiserver-2 clusterip-controller)
+ETCD_MEMBERS=${CLUSTERIP_ETCD_MEMBERS:-1}
+APISERVERS=${CLUSTERIP_APISERVERS:-1}
+# (A cluster already up keeps its shape: stop/start/status read it from its ports.env.)
+[ -n "${CLUSTERIP_ETCD_MEMBERS:-}" ] || ! grep -qs '^ETCD_2_PORT=' "$state/ports.env" || ETCD_MEMBERS=3
+[ -n "${CLUSTERIP_APISERVERS:-}" ] || ! grep -qs '^APISERVER_2_PORT=' "$state/ports.env" || APISERVERS=2
+case "$ETCD_MEMBERS" in 1|3) ;; *) echo "dev-cluster: error: CLUSTERIP_ETCD_MEMBERS=$ETCD_MEMBERS: 1 or 3" >&2; exit 2 ;; esac
+case "$APISERVERS" in 1|2) ;; *) echo "dev-cluster: error: CLUSTERIP_APISERVERS=$APISERVERS: 1 or 2" >&2; exit 2 ;; esac
+COMPONENTS=(etcd)
+[ "$ETCD_MEMBERS" = 1 ] || COMPONENTS+=(etcd-2 etcd-3)
+COMPONENTS+=(kube-apiserver)
+[ "$APISERVERS" = 1 ] || COMPONENTS+=(kube-apiserver-2)
 [ "${CLUSTERIP_CONTROLLER:-1}" = 0 ] || COMPONENTS+=(clusterip-controller)
 
 log() { echo "dev-cluster: $*" >&2; }
@@ -68,8 +87,8 @@ live_pid() {
 binary_of() {
   bin_dirs
   case "$1" in
-    etcd) echo "$ETCD_BIN/etcd" ;;
-    kube-apiserver) echo "$K8S_BIN/kube-apiserver" ;;
+    etcd|etcd-[23]) echo "$ETCD_BIN/etcd" ;;
+    kube-apiserver|kube-apiserver-2) echo "$K8S_BIN/kube-apiserver" ;;
     clusterip-controller) echo "$repo/target/${CLUSTERIP_PROFILE:-debug}/clusterip" ;;
     *) return 1 ;;
   esac
@@ -82,6 +101,8 @@ stop_component() {
   if pid=$(live_pid "$name"); then
     log "stopping $name (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
+    # (A process a fault test stopped with SIGSTOP acts on the TERM only once continued.)
+    kill -CONT "$pid" 2>/dev/null || true
     # (The controller drains: --shutdown-delay-duration, then requests in flight.)
     for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     if kill -0 "$pid" 2>/dev/null; then log "$name did not stop in 30s; killing"; kill -KILL "$pid" 2>/dev/null || true; fi
@@ -178,8 +199,8 @@ EOF
 }
 
 write_kubeconfig() {
-  local pki="$state/pki"
-  cat > "$state/kubeconfig" <<EOF
+  local pki="$state/pki" file=${1:-kubeconfig} APISERVER_PORT=${2:-$APISERVER_PORT}
+  cat > "$state/$file" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
@@ -233,6 +254,7 @@ EOF
 
 # ---------------------------------------------------------------- components
 start_etcd() {
+  if [ -n "${ETCD_2_PORT:-}" ]; then start_etcd_member etcd; return; fi
   mkdir -p "$state/etcd"
   spawn etcd "$ETCD_BIN/etcd" \
     --name clusterip-dev --data-dir "$state/etcd" \
@@ -244,11 +266,42 @@ start_etcd() {
 }
 ready_etcd() { curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_METRICS_PORT/health" 2>/dev/null | grep -q '"health":"true"'; }
 
-start_kube-apiserver() {
+# CLUSTERIP_ETCD_MEMBERS=3: member etcd is named clusterip-dev (as when alone), etcd-N
+# clusterip-dev-N. Ports: ETCD_PORT / ETCD_PEER_PORT / ETCD_METRICS_PORT for etcd,
+# ETCD_N_PORT / ETCD_N_PEER_PORT / ETCD_N_METRICS_PORT for etcd-N (ports.env).
+member_var() { local v; case "$1" in etcd) v=ETCD_$2 ;; *) v=ETCD_${1#etcd-}_$2 ;; esac; echo "${!v}"; }
+member_name() { case "$1" in etcd) echo clusterip-dev ;; *) echo "clusterip-dev-${1#etcd-}" ;; esac; }
+start_etcd_member() {
+  local m=$1 peers="" c
+  for c in etcd etcd-2 etcd-3; do peers+="${peers:+,}$(member_name "$c")=http://127.0.0.1:$(member_var "$c" PEER_PORT)"; done
+  mkdir -p "$state/$m"
+  # (--initial-cluster* count only with an empty data dir: a restarted member rejoins with its data.)
+  spawn "$m" "$ETCD_BIN/etcd" \
+    --name "$(member_name "$m")" --data-dir "$state/$m" \
+    --listen-client-urls "http://127.0.0.1:$(member_var "$m" PORT)" --advertise-client-urls "http://127.0.0.1:$(member_var "$m" PORT)" \
+    --listen-peer-urls "http://127.0.0.1:$(member_var "$m" PEER_PORT)" --initial-advertise-peer-urls "http://127.0.0.1:$(member_var "$m" PEER_PORT)" \
+    --initial-cluster "$peers" --initial-cluster-state new --initial-cluster-token "clusterip-dev-$ETCD_PORT" \
+    --listen-metrics-urls "http://127.0.0.1:$(member_var "$m" METRICS_PORT)" \
+    --quota-backend-bytes 4294967296 --log-level warn
+}
+start_etcd-2() { start_etcd_member etcd-2; }
+start_etcd-3() { start_etcd_member etcd-3; }
+ready_etcd-2() { curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_2_METRICS_PORT/health" 2>/dev/null | grep -q '"health":"true"'; }
+ready_etcd-3() { curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_3_METRICS_PORT/health" 2>/dev/null | grep -q '"health":"true"'; }
+# Every member's client URL, comma-separated.
+etcd_endpoints() {
+  local e="http://127.0.0.1:$ETCD_PORT"
+  [ -z "${ETCD_2_PORT:-}" ] || e+=",http://127.0.0.1:$ETCD_2_PORT,http://127.0.0.1:$ETCD_3_PORT"
+  echo "$e"
+}
+
+start_kube-apiserver() { start_apiserver kube-apiserver "$APISERVER_PORT"; }
+start_kube-apiserver-2() { start_apiserver kube-apiserver-2 "$APISERVER_2_PORT"; }
+start_apiserver() {
   local pki="$state/pki"
-  spawn kube-apiserver "$K8S_BIN/kube-apiserver" \
-    --etcd-servers "http://127.0.0.1:$ETCD_PORT" --etcd-prefix /registry \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+  spawn "$1" "$K8S_BIN/kube-apiserver" \
+    --etcd-servers "$(etcd_endpoints)" --etcd-prefix /registry \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$2" \
     --endpoint-reconciler-type none \
     --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
     --client-ca-file "$pki/ca.crt" --token-auth-file "$pki/tokens.csv" \
@@ -261,10 +314,12 @@ start_kube-apiserver() {
     --disable-admission-plugins ServiceAccount \
     --profiling=false --v 1
 }
-ready_kube-apiserver() {
+ready_kube-apiserver() { ready_apiserver "$APISERVER_PORT"; }
+ready_kube-apiserver-2() { ready_apiserver "$APISERVER_2_PORT"; }
+ready_apiserver() {
   local pki="$state/pki"
   curl -fsS --max-time 2 --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" \
-    "https://127.0.0.1:$APISERVER_PORT/readyz" 2>/dev/null | grep -q '^ok$'
+    "https://127.0.0.1:$1/readyz" 2>/dev/null | grep -q '^ok$'
 }
 
 # kubectl supports an apiserver one minor away; build ours when the machine's is older.
@@ -284,7 +339,7 @@ start_clusterip-controller() {
   (cd "$repo" && cargo build --quiet "${flags[@]}" --bin clusterip)
   spawn clusterip-controller "$repo/target/$profile/clusterip" controller \
     --backend "${CLUSTERIP_BACKEND:-etcd}" --service-cidr "$CONTROLLER_CIDRS" \
-    --etcd-endpoints "http://127.0.0.1:$ETCD_PORT" --kubeconfig "$state/kubeconfig" \
+    --etcd-endpoints "$(etcd_endpoints)" --kubeconfig "$state/kubeconfig" \
     --webhook-bind-address "127.0.0.1:$WEBHOOK_PORT" --metrics-bind-address "127.0.0.1:$CONTROLLER_METRICS_PORT" \
     --tls-cert-file "$pki/webhook.crt" --tls-private-key-file "$pki/webhook.key" \
     --client-ca-file "$pki/ca.crt" --allowed-client-names "$WEBHOOK_CLIENT_NAME" \
@@ -401,7 +456,27 @@ cmd_up() {
   APISERVER_PORT=$(pick_port "${CLUSTERIP_APISERVER_PORT:-26443}")
   WEBHOOK_PORT=$(pick_port "${CLUSTERIP_WEBHOOK_PORT:-29443}")
   CONTROLLER_METRICS_PORT=$(pick_port $((WEBHOOK_PORT + 10)))
-  claim_ports "$ETCD_PORT" "$ETCD_PEER_PORT" "$ETCD_METRICS_PORT" "$APISERVER_PORT" "$WEBHOOK_PORT" "$CONTROLLER_METRICS_PORT"
+  local ports=("$ETCD_PORT" "$ETCD_PEER_PORT" "$ETCD_METRICS_PORT" "$APISERVER_PORT" "$WEBHOOK_PORT" "$CONTROLLER_METRICS_PORT")
+  # Opt-in members and apiserver: each port is picked above the last one picked (ports
+  # picked in this run are not claimed yet, so pick_port alone could give one out twice).
+  local more="" next=$((ETCD_METRICS_PORT + 1)) n v
+  if [ "$ETCD_MEMBERS" = 3 ]; then
+    for n in 2 3; do
+      for v in PORT PEER_PORT METRICS_PORT; do
+        printf -v "ETCD_${n}_$v" '%s' "$(pick_port "$next")"
+        next=$(( $(member_var "etcd-$n" "$v") + 1 ))
+        ports+=("$(member_var "etcd-$n" "$v")")
+        more+="ETCD_${n}_$v=$(member_var "etcd-$n" "$v")"$'\n'
+      done
+    done
+  fi
+  if [ "$APISERVERS" = 2 ]; then
+    APISERVER_2_PORT=$(pick_port $((APISERVER_PORT + 1)))
+    [ "$APISERVER_2_PORT" != "$WEBHOOK_PORT" ] && [ "$APISERVER_2_PORT" != "$CONTROLLER_METRICS_PORT" ] || die "no free port for kube-apiserver-2 after $APISERVER_PORT"
+    ports+=("$APISERVER_2_PORT")
+    more+="APISERVER_2_PORT=$APISERVER_2_PORT"$'\n'
+  fi
+  claim_ports "${ports[@]}"
   cat > "$state/ports.env" <<EOF
 ETCD_PORT=$ETCD_PORT
 ETCD_PEER_PORT=$ETCD_PEER_PORT
@@ -410,13 +485,14 @@ APISERVER_PORT=$APISERVER_PORT
 WEBHOOK_PORT=$WEBHOOK_PORT
 CONTROLLER_METRICS_PORT=$CONTROLLER_METRICS_PORT
 EOF
+  printf '%s' "$more" >> "$state/ports.env"
   gen_certs
   write_kubeconfig
   write_admission_config
   # What tests and tools read: endpoints of the parts, one KEY=value per line.
   cat > "$state/env" <<EOF
 KUBECONFIG=$state/kubeconfig
-CLUSTERIP_ETCD_ENDPOINTS=http://127.0.0.1:$ETCD_PORT
+CLUSTERIP_ETCD_ENDPOINTS=$(etcd_endpoints)
 CLUSTERIP_APISERVER=https://127.0.0.1:$APISERVER_PORT
 CLUSTERIP_APISERVER_SERVICE_CIDRS=$SERVICE_CIDRS
 CLUSTERIP_SERVICE_CIDRS=$CONTROLLER_CIDRS
@@ -425,6 +501,10 @@ CLUSTERIP_METRICS_URL=http://127.0.0.1:$CONTROLLER_METRICS_PORT
 CLUSTERIP_WEBHOOK_CLIENT_CA=$state/pki/ca.crt
 CLUSTERIP_WEBHOOK_CLIENT_NAME=$WEBHOOK_CLIENT_NAME
 EOF
+  if [ "$APISERVERS" = 2 ]; then
+    write_kubeconfig kubeconfig-2 "$APISERVER_2_PORT"
+    printf 'CLUSTERIP_APISERVER_2=https://127.0.0.1:%s\nKUBECONFIG_2=%s\n' "$APISERVER_2_PORT" "$state/kubeconfig-2" >> "$state/env"
+  fi
   # A failed start leaves nothing running (the log tail was already printed).
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; stopping what was started"; cmd_down quiet; fi' EXIT
   [ -z "$owner" ] || [ "${CLUSTERIP_WATCHDOG:-1}" = 0 ] || start_watchdog
@@ -432,6 +512,9 @@ EOF
   for c in "${COMPONENTS[@]}"; do
     log "starting $c"
     "start_$c"
+    # The members of a three-member etcd are ready only together (a quorum elects a leader).
+    case "$c" in etcd|etcd-2) [ "$ETCD_MEMBERS" = 1 ] || continue ;; esac
+    if [ "$c" = etcd-3 ]; then wait_ready etcd 300; wait_ready etcd-2 300; fi
     wait_ready "$c" 300
     log "$c ready"
   done

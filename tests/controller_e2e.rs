@@ -27,6 +27,8 @@ use controller_common::Controller;
 /// The ranges one test's controllers assign from: slice `k` of our ranges, 198.19.8k.0/21
 /// and fd00:10:96::(800·k)/117 (2048 addresses each; static band = the first 128). Slice 0
 /// holds the fixed addresses other test files use (198.19.0.x, fd00:10:96::x) and is left out.
+/// Slices 19 and 20 are the HA tests' (on control planes of their own; 16–18 overlap the
+/// fidelity test's 198.19.120.0–198.19.144.63).
 #[derive(Clone, Copy, Debug)]
 struct Slice(u8);
 
@@ -122,6 +124,13 @@ impl Webhook {
     /// The controllers (with `auth`: their client-certificate flags) and the registration,
     /// without waiting for the apiserver to call the webhook.
     async fn register(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice, auth: &[String]) -> Webhook {
+        Self::register_on(cp, backend, slice, auth, &vec![cp.kubeconfig(); replicas]).await
+    }
+
+    /// [`register`](Self::register) with one replica per kubeconfig, each reaching the
+    /// apiserver its kubeconfig names (HA control planes: one replica per apiserver).
+    async fn register_on(cp: &ControlPlane, backend: &str, slice: Slice, auth: &[String], kubeconfigs: &[std::path::PathBuf]) -> Webhook {
+        let replicas = kubeconfigs.len();
         let client = cp.client().await;
         let name = unique_name("e2e");
         let pki = cp.dir().join("pki");
@@ -129,7 +138,7 @@ impl Webhook {
         let mut children = Vec::new();
         let mut ports = Vec::new();
         for i in 0..replicas {
-            let c = spawn_controller(cp, backend, &name, i, slice, auth);
+            let c = spawn_controller(cp, backend, &name, i, slice, auth, &kubeconfigs[i]);
             c.wait_ready().await;
             ports.push(c.webhook_port);
             children.push(c);
@@ -174,11 +183,16 @@ impl Webhook {
     /// create (nothing is allocated by anyone) of an address inside the apiserver's range but
     /// outside ours, which only our webhook refuses, until it does.
     async fn wait_registered(&mut self) {
+        self.wait_called_through(&self.services()).await;
+    }
+
+    /// [`wait_registered`](Self::wait_registered) through `api` (another apiserver's client).
+    async fn wait_called_through(&self, api: &Api<Service>) {
         let dry = PostParams { dry_run: true, ..Default::default() };
         let probe = service("probe", |s| s.cluster_ip = Some("198.19.200.5".into()));
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            match self.services().create(&dry, &probe).await {
+            match api.create(&dry, &probe).await {
                 Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(&format!("The range of valid IPs is {}", self.slice.v4())) => return,
                 Ok(_) => {}
                 Err(e) => panic!("probing the webhook registration: {e}"),
@@ -212,9 +226,9 @@ impl Drop for Webhook {
 
 /// Start one controller replica (it picks its own ports) with `auth`, its client-certificate
 /// flags ([`controller_common::client_auth_args`]: only the kube-apiserver's certificate).
-fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice, auth: &[String]) -> Controller {
+fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice, auth: &[String], kubeconfig: &std::path::Path) -> Controller {
     let ranges = format!("{},{}", slice.v4(), slice.v6());
-    let base = controller_common::controller_args(cp, backend, &ranges, name, "default", &format!("replica-{replica}"), &cp.kubeconfig());
+    let base = controller_common::controller_args(cp, backend, &ranges, name, "default", &format!("replica-{replica}"), kubeconfig);
     Controller::start(auth.iter().cloned().chain(base))
 }
 
@@ -927,4 +941,198 @@ async fn a_webhook_that_does_not_accept_the_apiservers_certificate_admits_nothin
     }
     let log = wh.children[0].log();
     assert!(log.contains("refused a connection: no valid client certificate") && log.contains("someone-else"), "{log}");
+}
+
+// ---------------------------------------------------------------- HA control plane
+
+/// One create of the HA burst: through which apiserver (1 or 2), when it ended, what came back.
+struct HaCreate {
+    via: usize,
+    name: String,
+    ended: Instant,
+    result: Result<Service, kube::Error>,
+}
+
+/// Creates through one apiserver, up to four at a time and at most ten started a second (load
+/// shaping, so that a slow restart does not use up the range), until `stop` or `cap`
+/// creates; `acked` counts the acknowledged ones as they come.
+fn ha_creator(
+    via: usize,
+    api: Api<Service>,
+    cap: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    acked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> tokio::task::JoinHandle<Vec<HaCreate>> {
+    use futures::StreamExt;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let tick = std::sync::Arc::new(tokio::sync::Mutex::new(tick));
+        futures::stream::iter(0..cap)
+            .take_while(move |_| futures::future::ready(!stop.load(std::sync::atomic::Ordering::SeqCst)))
+            .then(move |n| {
+                let tick = tick.clone();
+                async move {
+                    tick.lock().await.tick().await;
+                    n
+                }
+            })
+            .map(|n| {
+                let (api, acked) = (api.clone(), acked.clone());
+                async move {
+                    let name = format!("ha{via}-{n}");
+                    let result = api.create(&PostParams::default(), &service(&name, |_| {})).await;
+                    if result.is_ok() {
+                        acked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    HaCreate { via, name, ended: Instant::now(), result }
+                }
+            })
+            .buffer_unordered(4)
+            .collect()
+            .await
+    })
+}
+
+/// HA control plane (issue 20): two kube-apiservers on one etcd (a private control plane
+/// with `CLUSTERIP_APISERVERS=2`), our webhook registered once — both apiservers read that
+/// configuration and call it — and two controller replicas behind the proxy, replica-0
+/// talking to the first apiserver and replica-1 to the second (as replicas reaching the
+/// `kubernetes` Service would spread). Creates go through both apiservers at once while the
+/// webhook assigns; the first apiserver (replica-0's, and the one the registration was made
+/// through) is restarted mid-burst.
+///
+/// Checked: every acknowledged create has an address of our range, no address twice (also
+/// among Services whose create answer was lost in the restart), every one is stored with
+/// that address and recorded (an IPAddress with the Service as parentRef; etcd backend: in
+/// our allocation map too), every create through the second apiserver succeeded (during the
+/// restart included), and both apiservers serve creates after it.
+async fn ha_apiservers_one_restarted_mid_burst(backend: &str, slice: Slice, tag: &str) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let _one_at_a_time = BURST.lock().await;
+    let cp = ControlPlane::private_with(tag, &[("CLUSTERIP_APISERVERS", "2")]);
+    let kubeconfig_2 = std::path::PathBuf::from(cp.var("KUBECONFIG_2"));
+    let auth = controller_common::client_auth_args(&cp);
+    let mut wh = Webhook::register_on(&cp, backend, slice, &auth, &[cp.kubeconfig(), kubeconfig_2.clone()]).await;
+    wh.wait_registered().await;
+    let client_2 = cp.client_from(&kubeconfig_2).await;
+    let apis = [wh.services(), Api::<Service>::namespaced(client_2.clone(), &wh.namespace)];
+    wh.wait_called_through(&apis[1]).await;
+
+    // At most 900 creates per apiserver: 1800 fit in the slice's dynamic band (1919).
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = [Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0))];
+    let creators: Vec<_> = (0..2).map(|i| ha_creator(i + 1, apis[i].clone(), 900, stop.clone(), acked[i].clone())).collect();
+    let total = || acked[0].load(Ordering::SeqCst) + acked[1].load(Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while total() < 100 {
+        assert!(Instant::now() < deadline, "the burst made no progress in 120s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The fault: the first apiserver is stopped (SIGTERM, its graceful shutdown) and started
+    // again with the same flags, mid-burst.
+    let fault_from = Instant::now();
+    cp.stop("kube-apiserver");
+    cp.start("kube-apiserver");
+    let fault_to = Instant::now();
+    // Both apiservers serve creates afterwards: 20 more acknowledged through each.
+    let after = [acked[0].load(Ordering::SeqCst), acked[1].load(Ordering::SeqCst)];
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while (0..2).any(|i| acked[i].load(Ordering::SeqCst) < after[i] + 20) {
+        let cap_reached = (0..2).any(|i| creators[i].is_finished());
+        assert!(!cap_reached, "a creator reached its cap before both apiservers served again; acked {:?} (at the restart {after:?})", acked);
+        assert!(Instant::now() < deadline, "creates did not succeed through both apiservers within 180s of the restart: acked {acked:?}, at the restart {after:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let mut creates = Vec::new();
+    for c in creators {
+        creates.extend(c.await.expect("creator task"));
+    }
+
+    // What callers were told.
+    let ours = [clusterip::cidr::ServiceCidr::parse(&slice.v4()).expect("v4 slice"), clusterip::cidr::ServiceCidr::parse(&slice.v6()).expect("v6 slice")];
+    let mut acknowledged = std::collections::BTreeMap::new();
+    let mut errors = [Vec::new(), Vec::new()];
+    for c in &creates {
+        match &c.result {
+            Ok(svc) => {
+                let got = ips(svc);
+                assert_eq!(got.len(), 1, "{}: {got:?}", c.name);
+                // (Our dynamic band: the webhook chose it, not the apiserver's own allocator.)
+                assert!(wh.in_dynamic_band(got[0]), "{} got {}, outside our dynamic band", c.name, got[0]);
+                assert!(acknowledged.insert(got[0], c.name.clone()).is_none(), "{} handed out twice", got[0]);
+            }
+            Err(e) => errors[c.via - 1].push(format!("{} ({:.1} s after the restart began): {e}", c.name, c.ended.saturating_duration_since(fault_from).as_secs_f64())),
+        }
+    }
+    assert!(errors[1].is_empty(), "creates through the surviving apiserver failed: {:#?}", errors[1]);
+    for e in &errors[0] {
+        assert!(!e.contains("422"), "a create through the restarted apiserver was refused, not cut: {e}");
+    }
+
+    // What is stored: every acknowledged Service with its address, and nothing twice among
+    // all Services (those whose answer was lost in the restart included).
+    let stored = apis[1].list(&ListParams::default()).await.expect("list Services");
+    let mut held = std::collections::BTreeMap::new();
+    for svc in &stored.items {
+        let name = svc.metadata.name.clone().unwrap_or_default();
+        for ip in ips(svc) {
+            assert!(ours.iter().any(|r| r.contains(ip)), "stored {name} holds {ip}, outside our ranges");
+            if let Some(other) = held.insert(ip, name.clone()) {
+                panic!("{ip} held by both {other} and {name}");
+            }
+        }
+    }
+    for (ip, name) in &acknowledged {
+        assert_eq!(held.get(ip), Some(name), "acknowledged {name} with {ip} is not stored with it");
+    }
+    // Recorded: the IPAddress named by the address, parentRef the Service (both backends).
+    let ipaddresses: Api<k8s_openapi::api::networking::v1::IPAddress> = Api::all(client_2.clone());
+    for (ip, name) in &acknowledged {
+        let rec = ipaddresses.get_opt(&ip.to_string()).await.expect("read IPAddress");
+        let parent = rec.map(|r| r.spec.parent_ref);
+        assert!(
+            parent.as_ref().is_some_and(|p| p.resource == "services" && p.namespace.as_deref() == Some(wh.namespace.as_str()) && &p.name == name),
+            "{ip} of {name}: IPAddress parentRef {parent:?}"
+        );
+    }
+    let mut leaked = String::from("n/a");
+    if backend == "etcd" {
+        use clusterip::store::AllocationStore;
+        let store = clusterip::store::etcd::EtcdStore::open(
+            &clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() },
+            ours.to_vec(),
+        )
+        .await
+        .expect("open the records");
+        let recorded: BTreeSet<IpAddr> = store.allocated().await.expect("records").into_iter().collect();
+        let lost: Vec<_> = acknowledged.keys().filter(|ip| !recorded.contains(ip)).collect();
+        assert!(lost.is_empty(), "{} acknowledged addresses missing from the allocation map: {:?}", lost.len(), &lost[..lost.len().min(5)]);
+        leaked = (recorded.len() - recorded.iter().filter(|ip| held.contains_key(ip)).count()).to_string();
+    }
+    eprintln!(
+        "RESULT {backend}: restart of kube-apiserver took {:.1} s; {} creates acknowledged ({} through apiserver 1, {} through apiserver 2), {} failed through the restarted one, 0 through the other; {} Services stored, 0 duplicates, 0 lost; in the allocation map without a Service: {leaked}",
+        (fault_to - fault_from).as_secs_f64(),
+        acknowledged.len(),
+        creates.iter().filter(|c| c.via == 1 && c.result.is_ok()).count(),
+        creates.iter().filter(|c| c.via == 2 && c.result.is_ok()).count(),
+        errors[0].len(),
+        held.len(),
+    );
+    if let Some(e) = errors[0].first() {
+        eprintln!("  e.g. {e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_ha_apiservers_one_restarted_mid_burst() {
+    ha_apiservers_one_restarted_mid_burst("etcd", Slice(19), "ha-etcd").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_ha_apiservers_one_restarted_mid_burst() {
+    ha_apiservers_one_restarted_mid_burst("ipaddress", Slice(20), "ha-ipaddress").await;
 }

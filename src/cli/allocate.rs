@@ -39,6 +39,13 @@ pub struct AllocateArgs {
     /// same owner does. A Service's addresses are recorded by the kube-apiserver itself.
     #[arg(long)]
     pub parent: Option<String>,
+
+    /// etcd backend: answer dynamic requests for Services from an address pool of this size
+    /// per range, as a controller replica does (`clusterip controller --etcd-address-pool`);
+    /// 0, the default, allocates each address in a transaction. The pool is returned at the
+    /// end. The fault tests run allocators of both kinds side by side.
+    #[arg(long, default_value_t = 0)]
+    pub etcd_address_pool: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -84,7 +91,7 @@ pub fn parse_parent(s: &str) -> anyhow::Result<ParentRef> {
 pub async fn allocate(args: AllocateArgs) -> anyhow::Result<i32> {
     let ips = args.ips.iter().map(|s| cidr::parse_ip(s).map_err(|e| anyhow::anyhow!("--ip {s}: {e}"))).collect::<anyhow::Result<Vec<IpAddr>>>()?;
     let parent = args.parent.as_deref().map(parse_parent).transpose()?;
-    let store = args.backend.open().await?;
+    let store = args.backend.open_with_pool(args.etcd_address_pool).await?;
     let family = match args.family {
         Some(f) => f,
         None => store.ranges().first().map(|c| c.family()).unwrap_or(Family::IPv4),
@@ -118,6 +125,11 @@ pub async fn allocate(args: AllocateArgs) -> anyhow::Result<i32> {
     }
     drop(out);
     let secs = started.elapsed().as_secs_f64();
+    if args.etcd_address_pool > 0 {
+        if let Err(e) = store.close().await {
+            eprintln!("warning: the address pool was not returned ({e}); it expires with its lease");
+        }
+    }
     eprintln!(
         "allocated={} failed={failed} elapsed_s={secs:.3} ops_per_s={:.1} backend={}",
         total - failed,

@@ -141,6 +141,22 @@ impl ControlPlane {
         assert!(status.success(), "starting {component} failed");
     }
 
+    /// The pid of a running component ("etcd", "etcd-2", "kube-apiserver-2", …), from its pid
+    /// file; `None` when it has none (stopped, or not part of this cluster).
+    pub fn pid(&self, component: &str) -> Option<u32> {
+        std::fs::read_to_string(self.dir.join(format!("{component}.pid"))).ok()?.trim().parse().ok()
+    }
+
+    /// Send `signal` (SIGKILL, SIGSTOP, SIGCONT, …) to a running component, for fault tests
+    /// that do what `stop` does not: crash it, or freeze it. The pid file names the process
+    /// `scripts/dev-cluster.sh` started (`start` replaces a killed one; `down` reaps them all).
+    pub fn signal(&self, component: &str, signal: libc::c_int) {
+        let pid = self.pid(component).unwrap_or_else(|| panic!("{component} has no pid file in {}", self.dir.display()));
+        // SAFETY: kill(2) with a pid from our own cluster's pid file.
+        let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({pid}, {signal}) for {component}: {}", std::io::Error::last_os_error());
+    }
+
     /// The cluster's state directory (`.cluster/` or a temporary one).
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -163,7 +179,13 @@ impl ControlPlane {
 
     /// A kube client with cluster-admin rights.
     pub async fn client(&self) -> kube::Client {
-        let kubeconfig = kube::config::Kubeconfig::read_from(self.kubeconfig()).expect("read kubeconfig");
+        self.client_from(&self.kubeconfig()).await
+    }
+
+    /// A kube client with cluster-admin rights through the kubeconfig at `path` (with
+    /// `CLUSTERIP_APISERVERS=2`, `var("KUBECONFIG_2")` reaches the second apiserver).
+    pub async fn client_from(&self, path: &Path) -> kube::Client {
+        let kubeconfig = kube::config::Kubeconfig::read_from(path).expect("read kubeconfig");
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
             .await
             .expect("kubeconfig to config");

@@ -264,7 +264,9 @@ authentication:
   x509: {clientCAFile: $state/pki/ca.crt}
 authorization: {mode: Webhook}
 clusterDomain: cluster.local
-resolvConf: /etc/resolv.conf
+# No DNS server for pods (and no query leaves the node for the machine's resolver): tests
+# reach Services by ClusterIP. kube-apiserver reaches kubelet by its InternalIP.
+resolvConf: ""
 failSwapOn: false
 protectKernelDefaults: false
 podLogsDir: /var/log/pods

@@ -93,7 +93,8 @@ check_deploy() {
   # The webhook Service's ClusterIP is in the agent's ruleset (the kube-apiserver calls the
   # webhook through it: a Service create below only succeeds through it).
   local vip; vip=$(k -n clusterip-system get service clusterip-webhook -o jsonpath='{.spec.clusterIP}')
-  "$node" exec nft list ruleset 2>/dev/null | grep -qF "$vip" || { log "webhook VIP $vip not in the node's nftables ruleset"; return 1; }
+  local rules; rules=$("$node" exec nft list table ip clusterip 2>&1)
+  grep -qF "$vip" <<< "$rules" || { log "webhook VIP $vip not in the agent's table ip clusterip"; return 1; }
   log "controller: 2/2 Ready, leader $holder; webhook Service $vip programmed by clusterip-agent"
 }
 
@@ -142,8 +143,8 @@ spec:
   - {name: udp, port: 9000, targetPort: 9000, protocol: UDP}
 EOF
 }
-http_via() { k -n "$ns" exec client -- curl -sS --max-time 3 "http://$1/"; }
-udp_via() { k -n "$ns" exec client -- sh -c "echo hi | socat -T2 - UDP:$1:9000"; }
+http_via() { timeout 15 "$node" kubectl -n "$ns" exec client -- curl -sS --max-time 3 "http://$1/"; }
+udp_via() { timeout 15 "$node" kubectl -n "$ns" exec client -- sh -c "echo hi | socat -T2 - UDP:$1:9000"; }
 
 vip=
 check_workload() {

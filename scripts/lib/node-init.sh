@@ -88,6 +88,7 @@ spawn kube-apiserver "$K8S_BIN/kube-apiserver" \
   --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
   --client-ca-file "$pki/ca.crt" \
   --kubelet-client-certificate "$pki/apiserver-kubelet-client.crt" --kubelet-client-key "$pki/apiserver-kubelet-client.key" \
+  --kubelet-preferred-address-types InternalIP \
   --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
   --service-account-issuer https://kubernetes.default.svc.cluster.local \
   --service-cluster-ip-range "$SERVICE_CIDR" --service-node-port-range 30000-32767 \

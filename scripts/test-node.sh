@@ -30,6 +30,7 @@ cd "$repo"
 
 node=$repo/scripts/node-cluster.sh
 ns=node-test
+NODE_IP=198.18.240.2
 passed=0 failed=0
 started=$SECONDS
 deadline=$((SECONDS + ${CLUSTERIP_NODE_TEST_TIMEOUT:-1800}))
@@ -95,7 +96,16 @@ check_deploy() {
   local vip; vip=$(k -n clusterip-system get service clusterip-webhook -o jsonpath='{.spec.clusterIP}')
   local rules; rules=$("$node" exec nft list table ip clusterip 2>&1)
   grep -qF "$vip" <<< "$rules" || { log "webhook VIP $vip not in the agent's table ip clusterip"; return 1; }
-  log "controller: 2/2 Ready, leader $holder; webhook Service $vip programmed by clusterip-agent"
+  # And the kube-apiserver (in the node's network namespace, as on a control-plane node)
+  # called it through that address: a Service create leaves its connection in conntrack,
+  # original destination the VIP, translated to a controller pod.
+  k create namespace "$ns" >/dev/null 2>&1 || true
+  k -n "$ns" create service clusterip probe --tcp=80 >/dev/null || { log "a Service create failed"; return 1; }
+  k -n "$ns" delete service probe >/dev/null
+  local flows; flows=$("$node" exec conntrack -L -p tcp --orig-dst "$vip" --orig-port-dst 443 2>/dev/null)
+  grep -q "src=$NODE_IP dst=$vip .*dport=443 .*src=198\.18\.241\." <<< "$flows" ||
+    { log "no connection from the kube-apiserver to $vip:443 in conntrack: $flows"; return 1; }
+  log "controller: 2/2 Ready, leader $holder; the kube-apiserver calls the webhook through $vip:443 (clusterip-agent's rules → a controller pod)"
 }
 
 workload() {
@@ -258,7 +268,17 @@ check_rbac() {
   [ -z "$rbac_bad" ]
 }
 
-# Rolling restarts under load: a client pod connects to the VIP in a loop, this script
+# gone POD…: each pod is gone (a minute at most each).
+gone() {
+  local p
+  for p in "$@"; do
+    until_ok 60 sh -c "[ -z \"\$($node kubectl get pods -A --field-selector metadata.name=$p -o name)\" ]" ||
+      { log "pod $p was not replaced"; return 1; }
+  done
+}
+
+# Rolling restarts under load (until the old pods are gone, not only until the new are
+# Ready: a terminating webhook replica is the delicate part): a client pod connects to the VIP in a loop, this script
 # creates a Service every 0.5 s; both count failures until both rollouts are done.
 check_restart() {
   web_service || return 1
@@ -266,8 +286,8 @@ check_restart() {
   k -n "$ns" rollout status deployment/web --timeout=120s >&2 || return 1
   local v; v=$(k -n "$ns" get service web -o jsonpath='{.spec.clusterIP}')
   until_ok 30 http_via "$v" || return 1
-  local stop="$CLUSTERIP_NODE_DIR/stop-load" conns="$CLUSTERIP_NODE_DIR/conns.log"
-  rm -f "$stop"
+  local conns="$CLUSTERIP_NODE_DIR/conns.log" before after
+  before=$(k get pods -A -l 'app.kubernetes.io/name in (clusterip-controller,clusterip-agent)' -o jsonpath='{.items[*].metadata.name}')
   k -n "$ns" exec client -- sh -c "rm -f /tmp/stop; ok=0; bad=0; while [ ! -e /tmp/stop ]; do if curl -sS --max-time 2 -o /dev/null http://$v/; then ok=\$((ok+1)); else bad=\$((bad+1)); fi; sleep 0.1; done; echo \"\$ok \$bad\"" > "$conns" 2>&1 &
   local loader=$!
   local creates=0 create_fail=0 i=0
@@ -275,7 +295,7 @@ check_restart() {
     k -n clusterip-system rollout status deployment/clusterip-controller --timeout=240s >&2 &&
     k -n kube-system rollout restart daemonset/clusterip-agent >&2 &&
     k -n kube-system rollout status daemonset/clusterip-agent --timeout=180s >&2 &&
-    sleep 3 ) &
+    gone $before && sleep 2 ) &
   local restarts=$!
   while kill -0 "$restarts" 2>/dev/null; do
     i=$((i + 1))
@@ -288,6 +308,8 @@ check_restart() {
   wait "$loader"
   local ok bad; read -r ok bad < <(tail -n 1 "$conns")
   log "during the restarts: $creates Services created, $create_fail failed; $ok VIP connections, $bad failed"
+  after=$(k get pods -A -l 'app.kubernetes.io/name in (clusterip-controller,clusterip-agent)' -o jsonpath='{.items[*].metadata.name}')
+  log "replaced: $before → $after"
   [ "$rrc" = 0 ] && [ "$create_fail" = 0 ] && [ "${bad:-x}" = 0 ] && [ "${ok:-0}" -gt 0 ]
 }
 

@@ -55,6 +55,18 @@ export TMPDIR=$bstore/tmp
 bh() { buildah --root "$bstore/storage" --runroot "$bstore/run" --storage-driver overlay "$@"; }
 have_image() { bh inspect --type image "$1" >/dev/null 2>&1; }
 
+# One build at a time on this storage. On exit nothing of it stays: no working container
+# (a failed step leaves one), no untagged image (the build stages: ~1.2 GiB each), and no
+# mount in the machine's mount namespace (containers/storage bind-mounts its overlay dir).
+exec 9>"$bstore/.lock"
+flock -n 9 || { log "another build-images.sh holds $bstore/.lock; waiting"; flock 9; }
+cleanup() {
+  bh rm --all >/dev/null 2>&1 || true
+  bh rmi --prune >/dev/null 2>&1 || true
+  umount "$bstore/storage/overlay" 2>/dev/null || true
+}
+trap cleanup EXIT
+
 # A root filesystem from Debian's packages (mmdebstrap), imported as image $1; $2… are extra
 # packages. The config matches the official images: bash, PATH, nothing else.
 debian_rootfs_image() {

@@ -3,8 +3,11 @@
 # into a cache directory keyed by version, once per machine.
 #
 #   scripts/lib/build-go-binaries.sh kube-apiserver|kubectl|kube-proxy|etcd|ipallocbench ...
+#   scripts/lib/build-go-binaries.sh kubelet|kube-controller-manager|kube-scheduler ...
+#   scripts/lib/build-go-binaries.sh containerd|cni-plugins|pause   (the one-node cluster's parts)
 #   scripts/lib/build-go-binaries.sh k8s-module     the wrapper module's directory, on stdout
-#   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=… and ETCD_BIN=… lines
+#   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=…, ETCD_BIN=…, CONTAINERD_BIN=…,
+#                                                   CNI_BIN=… and PAUSE_BIN=… lines
 #
 # Prints nothing but progress on stderr; the binaries land in the K8S_BIN / ETCD_BIN dirs.
 # CLUSTERIP_CACHE overrides the cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/clusterip).
@@ -21,6 +24,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${CLUSTERIP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/clusterip}
 k8s_dir="$cache_root/kubernetes-v$K8S_VERSION"
 etcd_dir="$cache_root/etcd-v$ETCD_VERSION"
+containerd_dir="$cache_root/containerd-v$CONTAINERD_VERSION"
+cni_dir="$cache_root/cni-plugins-v$CNI_PLUGINS_VERSION"
+pause_dir="$cache_root/pause-v$K8S_VERSION"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
 log() { echo "build-go-binaries: $*" >&2; }
@@ -72,8 +78,11 @@ package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 GO
     log "resolving Kubernetes v$K8S_VERSION modules (first time only)"
@@ -149,13 +158,110 @@ build_ipallocbench() {
   mv "$out.tmp" "$out"
 }
 
+# containerd (daemon, and its shim for runc) from its published Go module: the CRI plugin is
+# part of the daemon. No btrfs/devmapper snapshotters (cgo-free build: overlayfs and native).
+build_containerd() {
+  local out="$containerd_dir/bin"
+  [ -x "$out/containerd" ] && [ -x "$out/containerd-shim-runc-v2" ] && [ -x "$out/ctr" ] && return 0
+  lock_cache
+  [ -x "$out/containerd" ] && [ -x "$out/containerd-shim-runc-v2" ] && [ -x "$out/ctr" ] && return 0
+  local mod="$containerd_dir/src" c
+  rm -rf "$mod"; mkdir -p "$mod" "$out"
+  ( cd "$mod"
+    cat > go.mod <<MOD
+module clusterip.local/containerdbuild
+
+go 1.26
+
+require github.com/containerd/containerd/v2 v$CONTAINERD_VERSION
+MOD
+    cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "github.com/containerd/containerd/v2/cmd/containerd"
+	_ "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"
+	_ "github.com/containerd/containerd/v2/cmd/ctr"
+)
+GO
+    log "building containerd v$CONTAINERD_VERSION from Go modules (cached in $containerd_dir)"
+    go mod tidy >&2
+    for c in containerd containerd-shim-runc-v2 ctr; do
+      go build -trimpath -tags "no_btrfs no_devmapper no_zfs no_aufs" -ldflags "-s -w \
+          -X github.com/containerd/containerd/v2/version.Version=v$CONTAINERD_VERSION" \
+          -o "$out/$c.tmp" "github.com/containerd/containerd/v2/cmd/$c" >&2
+      mv "$out/$c.tmp" "$out/$c"
+    done
+  )
+}
+
+# The CNI plugins the node's network needs (ptp, host-local, loopback, portmap; bridge too).
+build_cni_plugins() {
+  local out="$cni_dir/bin" p all=1
+  for p in bridge host-local loopback portmap ptp; do [ -x "$out/$p" ] || all=; done
+  [ -n "$all" ] && return 0
+  lock_cache
+  local mod="$cni_dir/src"
+  rm -rf "$mod"; mkdir -p "$mod" "$out"
+  ( cd "$mod"
+    cat > go.mod <<MOD
+module clusterip.local/cnibuild
+
+go 1.26
+
+require github.com/containernetworking/plugins v$CNI_PLUGINS_VERSION
+MOD
+    cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "github.com/containernetworking/plugins/plugins/ipam/host-local"
+	_ "github.com/containernetworking/plugins/plugins/main/bridge"
+	_ "github.com/containernetworking/plugins/plugins/main/loopback"
+	_ "github.com/containernetworking/plugins/plugins/main/ptp"
+	_ "github.com/containernetworking/plugins/plugins/meta/portmap"
+)
+GO
+    log "building CNI plugins v$CNI_PLUGINS_VERSION from Go modules (cached in $cni_dir)"
+    go mod tidy >&2
+    for p in ipam/host-local main/bridge main/loopback main/ptp meta/portmap; do
+      go build -trimpath -ldflags "-s -w" -o "$out/${p#*/}.tmp" "github.com/containernetworking/plugins/plugins/$p" >&2
+      mv "$out/${p#*/}.tmp" "$out/${p#*/}"
+    done
+  )
+}
+
+# Kubernetes' pause (build/pause/linux/pause.c of the same release), compiled static with the
+# machine's C compiler; scripts/build-images.sh wraps it into the pause image.
+build_pause() {
+  local out="$pause_dir/bin/pause"
+  [ -x "$out" ] && return 0
+  lock_cache
+  local mod; mod=$(k8s_module)
+  local src; src=$(cd "$mod" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c
+  [ -f "$src" ] || { log "no pause source at $src"; exit 1; }
+  mkdir -p "$pause_dir/bin"
+  log "building pause from $src"
+  cc -Os -Wall -Werror -static -DVERSION="v$K8S_VERSION" -o "$out.tmp" "$src" >&2
+  strip "$out.tmp"
+  mv "$out.tmp" "$out"
+}
+
 for what in "$@"; do
   case "$what" in
-    kube-apiserver|kubectl|kube-proxy) build_k8s "$what" ;;
+    kube-apiserver|kubectl|kube-proxy|kubelet|kube-controller-manager|kube-scheduler) build_k8s "$what" ;;
+    containerd) build_containerd ;;
+    cni-plugins) build_cni_plugins ;;
+    pause) build_pause ;;
     ipallocbench) build_ipallocbench ;;
     etcd) build_etcd ;;
     k8s-module) k8s_module ;;
-    print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin" ;;
+    print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin"
+      echo "CONTAINERD_BIN=$containerd_dir/bin"; echo "CNI_BIN=$cni_dir/bin"; echo "PAUSE_BIN=$pause_dir/bin" ;;
     *) echo "build-go-binaries: unknown binary '$what'" >&2; exit 2 ;;
   esac
 done

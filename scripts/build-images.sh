@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Builds the container images of clusterip from the repository's Containerfiles, on a machine
+# that reaches no container registry: the base images the Containerfiles name are made here
+# from Debian's packages first, under the very names the Containerfiles use, so the
+# Containerfiles are built unchanged (and build the same way elsewhere against real registries).
+#
+#   scripts/build-images.sh [clusterip] [clusterip-agent] [pause] [node-test]
+#                                   (default: the first three; node-test: scripts/test-node.sh's
+#                                   workload, tests/node/Containerfile)
+#
+# What it makes (in buildah's storage under ${CLUSTERIP_CACHE:-~/.cache/clusterip}/buildah):
+#   docker.io/library/debian:bookworm-slim   mmdebstrap --variant=minbase of bookworm, with
+#                                            bookworm, -updates and -security in its sources
+#   docker.io/library/rust:<X.Y>-bookworm    the same plus build-essential and pkg-config, and
+#                                            this machine's Rust toolchain (rustc --version:
+#                                            X.Y) in /usr/local/rustup like the official image
+#   docker.io/library/clusterip:dev          Containerfile
+#   docker.io/library/clusterip-agent:dev    agent/Containerfile
+#   registry.k8s.io/pause:<K8S_VERSION>      Kubernetes' pause, built from its source
+#                                            (scripts/lib/build-go-binaries.sh pause)
+# and an OCI archive of each of the last three in target/images/<name>.oci.tar, which
+# scripts/node-cluster.sh imports into the node's containerd.
+#
+# Base images are made once (delete them with `buildah --root … rmi` to refresh). The Rust
+# builds keep their registry and target directories in buildah cache mounts, so a rebuild
+# after a source change compiles only what changed. Needs root (buildah, mmdebstrap); installs
+# buildah, mmdebstrap and uidmap when missing. CLUSTERIP_IMAGE_TAG changes the tag (dev).
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=versions.env
+. "$repo/scripts/versions.env"
+
+cache_root=${CLUSTERIP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/clusterip}
+bstore=$cache_root/buildah
+out=$repo/target/images
+tag=${CLUSTERIP_IMAGE_TAG:-dev}
+suite=bookworm
+mirror=http://deb.debian.org/debian
+security=http://deb.debian.org/debian-security
+debian_image=docker.io/library/debian:$suite-slim
+rust_version=$(rustc --version | awk '{print $2}')
+rust_image=docker.io/library/rust:${rust_version%.*}-$suite
+pause_image=registry.k8s.io/pause:$K8S_VERSION
+
+log() { echo "build-images: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "needs root (buildah with its own storage, mmdebstrap)"
+"$repo/scripts/lib/ensure-packages.sh" buildah mmdebstrap uidmap
+
+# buildah with storage of its own (never the machine's /var/lib/containers), its temporary
+# files and cache mounts under it too (buildah puts them in TMPDIR).
+mkdir -p "$bstore/tmp" "$out"
+export TMPDIR=$bstore/tmp
+bh() { buildah --root "$bstore/storage" --runroot "$bstore/run" --storage-driver overlay "$@"; }
+have_image() { bh inspect --type image "$1" >/dev/null 2>&1; }
+
+# One build at a time on this storage. On exit nothing of it stays: no working container
+# (a failed step leaves one), no untagged image (the build stages: ~1.2 GiB each), and no
+# mount in the machine's mount namespace (containers/storage bind-mounts its overlay dir).
+exec 9>"$bstore/.lock"
+flock -n 9 || { log "another build-images.sh holds $bstore/.lock; waiting"; flock 9; }
+cleanup() {
+  bh rm --all >/dev/null 2>&1 || true
+  bh rmi --prune >/dev/null 2>&1 || true
+  umount "$bstore/storage/overlay" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+# A root filesystem from Debian's packages (mmdebstrap), imported as image $1; $2… are extra
+# packages. The config matches the official images: bash, PATH, nothing else.
+debian_rootfs_image() {
+  local name=$1; shift
+  local include="ca-certificates${1:+,$(IFS=,; echo "$*")}" tar ctr
+  tar=$(mktemp "$bstore/tmp/rootfs.XXXXXX.tar")
+  log "making $name from Debian $suite packages (mmdebstrap; once)"
+  mmdebstrap --quiet --variant=minbase --include="$include" \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+    --aptopt='APT::Install-Recommends "false"' \
+    "$suite" "$tar" \
+    "deb $mirror $suite main" "deb $mirror $suite-updates main" "deb $security $suite-security main"
+  ctr=$(bh from scratch)
+  bh add "$ctr" "$tar" / >/dev/null
+  rm -f "$tar"
+  bh config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --cmd bash --os linux --arch amd64 "$ctr"
+  echo "$ctr"
+}
+
+make_debian_image() {
+  have_image "$debian_image" && return 0
+  local ctr; ctr=$(debian_rootfs_image "$debian_image")
+  bh commit --quiet --rm "$ctr" "$debian_image" >/dev/null
+}
+
+# The official rust:X.Y-bookworm image keeps rustup's toolchain in /usr/local/rustup and
+# cargo's home in /usr/local/cargo (PATH starts with /usr/local/cargo/bin); this one holds
+# the same rustc/cargo release, copied from this machine (no rustup: one fixed toolchain).
+make_rust_image() {
+  have_image "$rust_image" && return 0
+  local sysroot ctr mnt tc
+  sysroot=$(rustc --print sysroot)
+  ctr=$(debian_rootfs_image "$rust_image" build-essential pkg-config git)
+  mnt=$(bh mount "$ctr")
+  tc=/usr/local/rustup/toolchains/$rust_version-x86_64-unknown-linux-gnu
+  mkdir -p "$mnt$tc" "$mnt/usr/local/cargo/bin"
+  log "copying the Rust $rust_version toolchain ($sysroot: bin, lib) into $rust_image"
+  cp -a "$sysroot/bin" "$sysroot/lib" "$mnt$tc/"
+  for b in "$mnt$tc"/bin/*; do ln -s "$tc/bin/${b##*/}" "$mnt/usr/local/cargo/bin/${b##*/}"; done
+  # The machine's trusted CAs, so cargo reaches crates.io inside as it does outside (behind a
+  # TLS-inspecting proxy too); the official image trusts Debian's CA list only.
+  cp /etc/ssl/certs/ca-certificates.crt "$mnt/etc/ssl/certs/ca-certificates.crt"
+  bh umount "$ctr" >/dev/null
+  bh config --env RUSTUP_HOME=/usr/local/rustup --env CARGO_HOME=/usr/local/cargo \
+    --env PATH=/usr/local/cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --env RUST_VERSION="$rust_version" "$ctr"
+  bh commit --quiet --rm "$ctr" "$rust_image" >/dev/null
+}
+
+# Build a Containerfile unchanged (its defaults name the images made above; the Rust image's
+# tag follows this machine's rustc). Host network: apt and cargo inside reach Debian's
+# mirrors and crates.io as this machine does, without a container network to set up.
+build_containerfile() {
+  local image=$1 file=$2 context=${3:-$repo} started=$SECONDS
+  log "building $image from $file"
+  bh build --quiet --layers --pull=never --network host --isolation chroot \
+    --build-arg RUST_IMAGE="$rust_image" --build-arg BASE_IMAGE="$debian_image" \
+    -f "$repo/$file" -t "$image" "$context" >/dev/null
+  log "built $image in $((SECONDS - started))s"
+}
+
+# pause: Kubernetes' build/pause/Dockerfile is FROM scratch + the static binary, USER 65535.
+build_pause() {
+  local bin ctr
+  "$repo/scripts/lib/build-go-binaries.sh" pause
+  eval "$("$repo/scripts/lib/build-go-binaries.sh" print-dirs)"
+  bin=$PAUSE_BIN/pause
+  ctr=$(bh from scratch)
+  bh copy "$ctr" "$bin" /pause >/dev/null
+  bh config --user 65535:65535 --entrypoint '["/pause"]' --os linux --arch amd64 "$ctr"
+  bh commit --quiet --rm "$ctr" "$pause_image" >/dev/null
+  log "built $pause_image"
+}
+
+export_archive() {
+  local image=$1 file=$2
+  rm -f "$out/$file.tmp"
+  bh push --quiet "$image" "oci-archive:$out/$file.tmp:$image" >/dev/null
+  mv "$out/$file.tmp" "$out/$file"
+  log "wrote $out/$file"
+}
+
+what=("$@")
+[ ${#what[@]} -gt 0 ] || what=(clusterip clusterip-agent pause)
+for w in "${what[@]}"; do
+  case "$w" in
+    clusterip)
+      make_debian_image; make_rust_image
+      build_containerfile "docker.io/library/clusterip:$tag" Containerfile
+      export_archive "docker.io/library/clusterip:$tag" clusterip.oci.tar ;;
+    clusterip-agent)
+      make_debian_image; make_rust_image
+      build_containerfile "docker.io/library/clusterip-agent:$tag" agent/Containerfile
+      export_archive "docker.io/library/clusterip-agent:$tag" clusterip-agent.oci.tar ;;
+    node-test)
+      make_debian_image
+      build_containerfile "docker.io/library/clusterip-node-test:$tag" tests/node/Containerfile "$repo/tests/node"
+      export_archive "docker.io/library/clusterip-node-test:$tag" node-test.oci.tar ;;
+    pause)
+      build_pause
+      export_archive "$pause_image" pause.oci.tar ;;
+    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test)" ;;
+  esac
+done

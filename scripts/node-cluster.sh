@@ -1,0 +1,557 @@
+#!/usr/bin/env bash
+# A real one-node Kubernetes on this machine, the way a kind node is one: etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler, containerd (+ runc, CNI) and kubelet
+# in a network namespace of their own (and mount and pid namespaces: scripts/lib/node-init.sh),
+# with a cgroup subtree of their own. clusterip-agent (deploy/agent) is the node's Service
+# dataplane: there is no kube-proxy (CLUSTERIP_NODE_PROXY=kube-proxy runs one instead).
+#
+#   scripts/node-cluster.sh up        build what is missing (cached), start the node, wait
+#                                     until the node is Ready; prints how to reach it
+#   scripts/node-cluster.sh deploy    certificates (scripts/gen-webhook-certs.sh) and
+#                                     `kubectl apply -k` of deploy/ (through a thin overlay
+#                                     with this node's ranges), wait for the agent and both
+#                                     controller replicas
+#   scripts/node-cluster.sh down      stop the node and remove all of it
+#   scripts/node-cluster.sh status    say what runs; exit 0 when the node is up and Ready
+#   scripts/node-cluster.sh reap      remove nodes whose owner is gone, and namespaces and
+#                                     cgroups of nodes whose directory is gone
+#   scripts/node-cluster.sh kubectl …   kubectl against the node (from inside its network)
+#   scripts/node-cluster.sh exec CMD …  run CMD in the node's network namespace
+#   scripts/node-cluster.sh ext CMD …   run CMD in the "outside" namespace (a client on the
+#                                     node's link, like another machine of its LAN)
+#   scripts/node-cluster.sh load-images   import target/images/*.oci.tar again (after
+#                                     scripts/build-images.sh)
+#
+# Addresses (198.18.240.0/22, used by no test): the node's link 198.18.240.0/24 (node .2,
+# outside .1), pods 198.18.241.0/24 (CNI ptp + host-local), Services 198.18.242.0/24 (the
+# kube-apiserver's range) of which clusterip hands out 198.18.242.128/25.
+#
+# Owners (scripts/lib/owners.sh): with CLUSTERIP_OWNER_PID=<pid> the node is owned by that
+# process (<state>/owner) and `reap` (this one, and every `up`) removes it once the owner is
+# gone. State lives in .node/ at the repository root (git-ignored) or CLUSTERIP_NODE_DIR.
+# Everything the node mounts lives in its mount namespace; its processes in its pid namespace:
+# killing the node's init (or its `unshare` parent) ends all of it. docs/node.md.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+state=$(realpath -m "${CLUSTERIP_NODE_DIR:-$repo/.node}")
+builder="$repo/scripts/lib/build-go-binaries.sh"
+# shellcheck source=versions.env
+. "$repo/scripts/versions.env"
+# shellcheck source=lib/owners.sh
+. "$repo/scripts/lib/owners.sh"
+
+NODE_NAME=clusterip-node
+NODE_IP=198.18.240.2
+EXT_IP=198.18.240.1
+POD_CIDR=198.18.241.0/24
+SERVICE_CIDR=198.18.242.0/24
+CLUSTERIP_CIDR=198.18.242.128/25
+APISERVER_VIP=198.18.242.1
+PROXY=${CLUSTERIP_NODE_PROXY:-clusterip-agent}
+MEMORY_LIMIT=${CLUSTERIP_NODE_MEMORY:-6G}
+registry="${TMPDIR:-/tmp}/clusterip-nodes"
+WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
+
+log() { echo "node-cluster: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# Names of this state dir's node: network namespaces and cgroup, from a hash of the path.
+node_id() { printf '%s' "$1" | sha256sum | cut -c1-8; }
+id=$(node_id "$state")
+NETNS=cipnode-$id
+EXTNS=cipnode-$id-ext
+
+in_node() { ip netns exec "$NETNS" "$@"; }
+kubectl_bin() { eval "$("$builder" print-dirs)"; echo "$K8S_BIN/kubectl"; }
+kc() { in_node "$(kubectl_bin)" --kubeconfig "$state/admin.kubeconfig" "$@"; }
+
+# The node's init: the process `unshare` forked (pid 1 of the node's pid namespace).
+init_pid() {
+  local u c
+  u=$(cat "$state/unshare.pid" 2>/dev/null) || return 1
+  [[ $u =~ ^[0-9]+$ ]] && pid_alive "$u" || return 1
+  tr '\0' ' ' < "/proc/$u/cmdline" | grep -qF -- "node-init.sh $state" || return 1
+  c=$(cat "/proc/$u/task/$u/children" 2>/dev/null | awk '{print $1}')
+  [ -n "$c" ] && echo "$c"
+}
+
+# ---------------------------------------------------------------- cgroups
+# The node's cgroup: <the memory cgroup this shell is in>/clusterip-node-<id>, the same path
+# in every v1 hierarchy (kubelet's cgroupRoot names one path for all). Which directories this
+# made is recorded in <state>/cgroup-dirs, so `down` removes those and nothing else.
+CGROUP_ROOT=/sys/fs/cgroup
+cgroup_hierarchies() {
+  local d
+  for d in "$CGROUP_ROOT"/*; do
+    [ -f "$d/cgroup.procs" ] || continue
+    [ "${d##*/}" = unified ] && continue
+    echo "$d"
+  done
+}
+node_cgroup() {
+  local cur; cur=$(cgroup_of memory) || cur=/
+  cur=${cur%/}
+  echo "$cur/clusterip-node-$id"
+}
+make_cgroups() {
+  local cg=$1 h p part
+  : > "$state/cgroup-dirs"
+  while IFS= read -r h; do
+    p=$h
+    for part in $(echo "$cg/system" | tr '/' ' '); do
+      p=$p/$part
+      if [ ! -d "$p" ]; then
+        mkdir "$p"
+        echo "$p" >> "$state/cgroup-dirs"
+      fi
+      if [ "${h##*/}" = cpuset ]; then
+        [ -s "$p/cpuset.cpus" ] || cat "${p%/*}/cpuset.cpus" > "$p/cpuset.cpus"
+        [ -s "$p/cpuset.mems" ] || cat "${p%/*}/cpuset.mems" > "$p/cpuset.mems"
+      fi
+    done
+  done < <(cgroup_hierarchies)
+  echo "$MEMORY_LIMIT" | numfmt --from=iec > "$CGROUP_ROOT/memory$cg/memory.limit_in_bytes"
+}
+# Kill what is left in the node's cgroups (pids hierarchy: every task of the node is there),
+# then remove the directories: kubelet's (kubepods/…) deepest first, then ours.
+remove_cgroups() {
+  local cg=$1 h d rc=0
+  [ -d "$CGROUP_ROOT/pids$cg" ] && { kill_cgroup_tree "$CGROUP_ROOT/pids$cg" "node-cluster: cgroup:" >&2 || rc=1; }
+  # (kubelet and runc also make the same paths in the cgroup v2 hierarchy, empty, when it is
+  # mounted beside v1 — hybrid mode.)
+  while IFS= read -r h; do
+    [ -d "$h$cg" ] && find "$h$cg" -depth -type d -exec rmdir {} + 2>/dev/null
+  done < <(cgroup_hierarchies; [ -d "$CGROUP_ROOT/unified" ] && echo "$CGROUP_ROOT/unified")
+  if [ -f "$state/cgroup-dirs" ]; then
+    while IFS= read -r d; do [ -d "$d" ] && rmdir "$d" 2>/dev/null; done < <(tac "$state/cgroup-dirs")
+  fi
+  while IFS= read -r h; do [ -d "$h$cg" ] && { log "could not remove $h$cg"; rc=1; }; done < <(cgroup_hierarchies)
+  return $rc
+}
+
+# ---------------------------------------------------------------- certificates, configs
+sign() { # name subject [ext lines]
+  local name=$1 subj=$2 ext=${3:-}
+  openssl req -newkey rsa:2048 -nodes -subj "$subj" -keyout "$name.key" -out "$name.csr" 2>/dev/null
+  printf '%b' "$ext" > "$name.ext"
+  openssl x509 -req -in "$name.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
+    -extfile "$name.ext" -out "$name.crt" 2>/dev/null
+  rm -f "$name.csr" "$name.ext"
+}
+gen_pki() {
+  mkdir -p "$state/pki"
+  ( cd "$state/pki"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 365 -subj "/CN=clusterip-node-ca" -keyout ca.key -out ca.crt 2>/dev/null
+    sign apiserver /CN=kube-apiserver "subjectAltName = DNS:kubernetes, DNS:kubernetes.default, DNS:kubernetes.default.svc, DNS:kubernetes.default.svc.cluster.local, DNS:localhost, IP:$NODE_IP, IP:$APISERVER_VIP, IP:127.0.0.1\nextendedKeyUsage = serverAuth\n"
+    sign admin "/O=system:masters/CN=clusterip-node-admin" "extendedKeyUsage = clientAuth\n"
+    sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "extendedKeyUsage = clientAuth\n"
+    sign kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" "extendedKeyUsage = clientAuth\n"
+    sign kubelet-serving "/CN=$NODE_NAME" "subjectAltName = DNS:$NODE_NAME, IP:$NODE_IP\nextendedKeyUsage = serverAuth\n"
+    sign kube-controller-manager /CN=system:kube-controller-manager "extendedKeyUsage = clientAuth\n"
+    sign kube-scheduler /CN=system:kube-scheduler "extendedKeyUsage = clientAuth\n"
+    sign kube-proxy /CN=system:kube-proxy "extendedKeyUsage = clientAuth\n"
+    openssl genrsa -out sa.key 2048 2>/dev/null
+    openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+    rm -f ca.srl )
+  # The webhook's certificates, by the documented script: the kube-apiserver's half
+  # (AdmissionConfiguration + kubeconfig with its client certificate) is in place before it
+  # starts; `deploy` runs the script again with --apply (same CAs, so both halves agree).
+  "$repo/scripts/gen-webhook-certs.sh" --dir "$state/webhook-certs" \
+    --apiserver-config-dir "$state/webhook-certs/apiserver" >/dev/null 2>"$state/logs/gen-webhook-certs.log" ||
+    { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh failed"; }
+}
+kubeconfig() { # file user
+  cat > "$state/$1.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: node
+  cluster: {server: "https://$NODE_IP:6443", certificate-authority: "$state/pki/ca.crt"}
+users:
+- name: $2
+  user: {client-certificate: "$state/pki/$2.crt", client-key: "$state/pki/$2.key"}
+contexts:
+- name: node
+  context: {cluster: node, user: $2}
+current-context: node
+EOF
+}
+write_configs() {
+  local cg=$1
+  eval "$("$builder" print-dirs)"
+  for u in admin kubelet kube-controller-manager kube-scheduler kube-proxy; do kubeconfig "$u" "$u"; done
+  cat > "$state/node.env" <<EOF
+NODE_NAME=$NODE_NAME
+NODE_IP=$NODE_IP
+SERVICE_CIDR=$SERVICE_CIDR
+PROXY=$PROXY
+K8S_BIN=$K8S_BIN
+ETCD_BIN=$ETCD_BIN
+CONTAINERD_BIN=$CONTAINERD_BIN
+IMAGES_DIR=$repo/target/images
+EOF
+  mkdir -p "$state/cni/net.d" "$state/logs"
+  # ptp, not bridge: every pod has its own veth and /32 route, so all pod traffic (pod to
+  # pod too) is routed through the node's IP layer, where the Service rules are. A bridge
+  # would need br_netfilter for a pod reaching another pod through a ClusterIP, and loading
+  # it would change the machine's root network namespace too.
+  cat > "$state/cni/net.d/10-node.conflist" <<EOF
+{
+  "cniVersion": "1.0.0",
+  "name": "clusterip-node",
+  "plugins": [
+    {"type": "ptp", "ipMasq": false, "mtu": 1500,
+     "ipam": {"type": "host-local", "dataDir": "/run/cni-ipam",
+              "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+EOF
+  # CAP_SYS_RESOURCE is bit 24 of the effective set.
+  local RESTRICT_OOM=false
+  (( (0x$(awk '/^CapEff/ {print $2}' /proc/self/status) >> 24) & 1 )) || RESTRICT_OOM=true
+  cat > "$state/containerd.toml" <<EOF
+version = 3
+root = "$state/containerd"
+state = "/run/containerd/state"
+[grpc]
+  address = "/run/containerd/containerd.sock"
+[ttrpc]
+  address = "/run/containerd/containerd.sock.ttrpc"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "registry.k8s.io/pause:$K8S_VERSION"
+[plugins."io.containerd.cri.v1.runtime"]
+  # This machine withholds CAP_SYS_RESOURCE even from root: an oom_score_adj below
+  # containerd's own (kubelet asks -998 for sandboxes) would fail every container start.
+  restrict_oom_score_adj = $RESTRICT_OOM
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "$(command -v runc)"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["$CNI_BIN"]
+    conf_dir = "$state/cni/net.d"
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+EOF
+  # kubelet on this machine: cgroup v1 only (failCgroupV1: false; v1 is in maintenance and
+  # refused by default), no systemd (cgroupfs driver), a cgroup root of the node's own.
+  cat > "$state/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: $cg
+cgroupsPerQOS: true
+enforceNodeAllocatable: [pods]
+containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
+address: $NODE_IP
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+tlsCertFile: $state/pki/kubelet-serving.crt
+tlsPrivateKeyFile: $state/pki/kubelet-serving.key
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $state/pki/ca.crt}
+authorization: {mode: Webhook}
+clusterDomain: cluster.local
+# No DNS server for pods (and no query leaves the node for the machine's resolver): tests
+# reach Services by ClusterIP. kube-apiserver reaches kubelet by its InternalIP.
+resolvConf: ""
+failSwapOn: false
+protectKernelDefaults: false
+podLogsDir: /var/log/pods
+maxPods: 60
+serializeImagePulls: false
+imageGCHighThresholdPercent: 99
+imageGCLowThresholdPercent: 98
+evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+EOF
+  cat > "$state/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+clientConnection: {kubeconfig: $state/kube-proxy.kubeconfig}
+clusterCIDR: $POD_CIDR
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: 127.0.0.1:10249
+conntrack: {maxPerCore: 0}
+EOF
+}
+
+# ---------------------------------------------------------------- network namespaces
+make_netns() {
+  ip netns add "$NETNS"
+  ip netns add "$EXTNS"
+  ip link add "n$id" netns "$NETNS" type veth peer name "x$id" netns "$EXTNS"
+  in_node ip link set lo up
+  in_node ip link set "n$id" name eth0
+  in_node ip addr add "$NODE_IP/24" dev eth0
+  in_node ip link set eth0 up
+  in_node ip route add default via "$EXT_IP"
+  in_node sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.route_localnet=1
+  ip netns exec "$EXTNS" ip link set lo up
+  ip netns exec "$EXTNS" ip link set "x$id" name eth0
+  ip netns exec "$EXTNS" ip addr add "$EXT_IP/24" dev eth0
+  ip netns exec "$EXTNS" ip link set eth0 up
+}
+remove_netns() {
+  local ns p rc=0
+  for ns in "$NETNS" "$EXTNS"; do
+    [ -e "/run/netns/$ns" ] || continue
+    for p in $(ip netns pids "$ns" 2>/dev/null); do
+      log "netns $ns: killing $(proc_desc "$p")"; kill -KILL "$p" 2>/dev/null || true
+    done
+    ip netns delete "$ns" 2>/dev/null || { log "could not delete netns $ns"; rc=1; }
+  done
+  return $rc
+}
+
+# ---------------------------------------------------------------- registry of nodes
+register() {
+  ( flock 8
+    { grep -vxF "$state" "$registry" 2>/dev/null || true; echo "$state"; } > "$registry.$$"
+    mv "$registry.$$" "$registry" ) 8>"$registry.lock"
+}
+unregister() {
+  ( flock 8
+    [ -f "$registry" ] || exit 0
+    { grep -vxF "$state" "$registry" || true; } > "$registry.$$"
+    mv "$registry.$$" "$registry" ) 8>"$registry.lock"
+}
+
+# ---------------------------------------------------------------- commands
+cmd_up() {
+  cmd_reap >&2 || log "reap reported errors (above); going on"
+  [ "$(id -u)" = 0 ] || die "needs root (network namespaces, cgroups, mounts)"
+  [ "${CLUSTERIP_PACKAGES_ENSURED:-}" = 1 ] ||
+    "$repo/scripts/lib/ensure-packages.sh" runc iproute2 openssl curl util-linux nftables iptables conntrack
+  local owner=""
+  if [ -n "${CLUSTERIP_OWNER_PID:-}" ]; then
+    owner=$(owner_of "$CLUSTERIP_OWNER_PID") || die "CLUSTERIP_OWNER_PID=$CLUSTERIP_OWNER_PID: no such process"
+  fi
+  if init_pid >/dev/null && node_ready; then
+    log "already up"; return 0
+  fi
+  cmd_down quiet
+  local started=$SECONDS
+  "$builder" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl containerd cni-plugins
+  [ "$PROXY" = kube-proxy ] && "$builder" kube-proxy
+  local img
+  # (CLUSTERIP_NODE_BUILD_IMAGES=0: import whatever target/images holds, build nothing.)
+  if [ "${CLUSTERIP_NODE_BUILD_IMAGES:-1}" != 0 ]; then
+    for img in clusterip clusterip-agent pause; do
+      [ -f "$repo/target/images/$img.oci.tar" ] || "$repo/scripts/build-images.sh" "$img"
+    done
+  fi
+  mkdir -p "$state"
+  [ -z "$owner" ] || echo "$owner" > "$state/owner"
+  register
+  trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; removing the node (logs were in $state/logs)"; cp -r "$state/logs" "${TMPDIR:-/tmp}/cipnode-failed-logs" 2>/dev/null || true; cmd_down quiet; fi' EXIT
+  local cg; cg=$(node_cgroup)
+  echo "$cg" > "$state/cgroup"
+  mkdir -p "$state/logs"
+  gen_pki
+  write_configs "$cg"
+  make_netns
+  make_cgroups "$cg"
+  log "starting the node ($NETNS; cgroup $cg; memory limit $MEMORY_LIMIT)"
+  # This subshell joins the node's cgroups, then becomes `unshare`, whose child is the node's
+  # init (pid 1 of a new pid namespace, in a new mount namespace, in the node's network).
+  ( for h in $(cgroup_hierarchies); do echo $BASHPID > "$h$cg/system/cgroup.procs"; done
+    exec setsid nsenter --net="/run/netns/$NETNS" \
+      unshare --mount --propagation private --pid --fork --mount-proc --kill-child=KILL \
+      bash "$repo/scripts/lib/node-init.sh" "$state" ) > "$state/logs/node-init.log" 2>&1 < /dev/null 9>&- 8>&- &
+  echo $! > "$state/unshare.pid"
+  local deadline=$((SECONDS + 300))
+  until [ -f "$state/init-ready" ]; do
+    pid_alive "$(cat "$state/unshare.pid")" || { tail -n 20 "$state/logs/node-init.log" >&2; die "the node's init exited during start-up (logs: $state/logs)"; }
+    [ $SECONDS -lt $deadline ] || { tail -n 20 "$state/logs/node-init.log" >&2; die "the node's processes did not start in 300s"; }
+    sleep 0.5
+  done
+  log "waiting for node $NODE_NAME to be Ready"
+  deadline=$((SECONDS + 180))
+  until node_ready; do
+    init_pid >/dev/null || die "the node's init exited (logs: $state/logs)"
+    [ $SECONDS -lt $deadline ] || { tail -n 30 "$state/logs/kubelet.log" >&2; die "node not Ready after 180s (logs: $state/logs)"; }
+    sleep 1
+  done
+  # (Pods can be made once the controller-manager has made the default ServiceAccount.)
+  kc_until 60 get serviceaccount default || die "no ServiceAccount default/default after 60s"
+  trap - EXIT
+  log "up in $((SECONDS - started))s: node $NODE_NAME Ready ($PROXY as the Service proxy)"
+  log "use it: scripts/node-cluster.sh kubectl get nodes   (or: ip netns exec $NETNS kubectl --kubeconfig $state/admin.kubeconfig …)"
+}
+
+node_ready() {
+  [ -f "$state/admin.kubeconfig" ] || return 1
+  kc get node "$NODE_NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+}
+
+# Wait until `kubectl $@` succeeds, or fail after $1 seconds.
+kc_until() {
+  local secs=$1; shift
+  local deadline=$((SECONDS + secs))
+  until kc "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] || { kc "$@" >&2 || true; return 1; }
+    sleep 1
+  done
+}
+
+# deploy/, as a user applies it, through an overlay that sets what differs per cluster:
+# clusterip's range (a part of this node's Service range), the pod CIDR in the network
+# policy, the images' tag (dev, built by scripts/build-images.sh) and the apiserver endpoint
+# the agent uses (it cannot reach the apiserver through a ClusterIP it has yet to program).
+cmd_deploy() {
+  init_pid >/dev/null || die "no node running in $state ('$0 up' first)"
+  local certs=(nsenter --net="/run/netns/$NETNS" env PATH="$(dirname "$(kubectl_bin)"):$PATH"
+    "$repo/scripts/gen-webhook-certs.sh" --dir "$state/webhook-certs"
+    --apiserver-config-dir "$state/webhook-certs/apiserver" --kubeconfig "$state/admin.kubeconfig" --apply)
+  local overlay="$state/deploy"
+  mkdir -p "$overlay"
+  cat > "$overlay/kustomization.yaml" <<EOF
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $(realpath --relative-to="$overlay" "$repo/deploy")
+  - agent-apiserver.yaml
+patches:
+  - target: {kind: Deployment, name: clusterip-controller}
+    patch: |
+      - op: replace
+        path: /spec/template/spec/containers/0/args/2
+        value: --service-cidr=$CLUSTERIP_CIDR
+  - target: {kind: NetworkPolicy, name: clusterip-controller}
+    patch: |
+      - op: replace
+        path: /spec/ingress/0/from/0/ipBlock/except
+        value: ["$POD_CIDR"]
+images:
+  - {name: clusterip, newName: clusterip, newTag: dev}
+  - {name: clusterip-agent, newName: clusterip-agent, newTag: dev}
+EOF
+  cat > "$overlay/agent-apiserver.yaml" <<EOF
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: clusterip-agent-apiserver
+  namespace: kube-system
+data:
+  host: "$NODE_IP"
+  port: "6443"
+EOF
+  # The install order of docs/operations.md: certificates, everything but the webhook
+  # registrations, wait for the pods, the registrations, then their caBundle.
+  "${certs[@]}" 2>"$state/logs/gen-webhook-certs.log" || { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh --apply failed"; }
+  kc apply -k "$overlay" -l 'app.kubernetes.io/component!=admission-registration' >&2
+  log "waiting for the agent DaemonSet and the controller Deployment"
+  kc -n kube-system rollout status daemonset/clusterip-agent --timeout=180s >&2
+  kc -n clusterip-system rollout status deployment/clusterip-controller --timeout=240s >&2
+  kc apply -k "$overlay" >&2
+  "${certs[@]}" 2>>"$state/logs/gen-webhook-certs.log" || { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh --apply failed"; }
+  log "deployed: $(kc -n clusterip-system get deployment clusterip-controller -o jsonpath='{.status.readyReplicas}') controller replicas ready"
+}
+
+cmd_load_images() {
+  local pid img
+  pid=$(init_pid) || die "no node running in $state"
+  eval "$("$builder" print-dirs)"
+  for img in "$repo"/target/images/*.oci.tar; do
+    nsenter -t "$pid" -m -n "$CONTAINERD_BIN/ctr" --address /run/containerd/containerd.sock -n k8s.io \
+      images import --no-unpack --local "$img" >&2
+  done
+}
+
+cmd_down() {
+  local pid u cg
+  if pid=$(init_pid); then
+    [ "${1:-}" = quiet ] || log "stopping the node (init pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  fi
+  u=$(cat "$state/unshare.pid" 2>/dev/null || true)
+  if [[ $u =~ ^[0-9]+$ ]] && { tr '\0' ' ' < "/proc/$u/cmdline"; } 2>/dev/null | grep -qF -- "node-init.sh $state"; then
+    # (unshare leaves once its child has; killing it kills the whole pid namespace.)
+    for _ in $(seq 1 50); do pid_alive "$u" || break; sleep 0.1; done
+    kill -KILL "$u" 2>/dev/null || true
+    for _ in $(seq 1 50); do pid_alive "$u" || break; sleep 0.1; done
+  fi
+  cg=$(cat "$state/cgroup" 2>/dev/null || node_cgroup)
+  remove_cgroups "$cg" || true
+  remove_netns || true
+  unregister
+  if [ -d "$state" ]; then
+    # (Nothing is mounted under it any more: the node's mounts lived in its mount namespace.)
+    rm -rf --one-file-system "$state"
+    [ "${1:-}" = quiet ] || log "stopped; removed $state"
+  fi
+}
+
+cmd_status() {
+  local pid ok=0
+  if pid=$(init_pid); then echo "node init: running (pid $pid), netns $NETNS"
+  else echo "node init: not running"; return 1; fi
+  while read -r name npid; do
+    if nsenter -t "$pid" -p -m -- kill -0 "$npid" 2>/dev/null; then echo "$name: running"; else echo "$name: not running"; ok=1; fi
+  done < "$state/node-pids"
+  if node_ready; then echo "node $NODE_NAME: Ready"; else echo "node $NODE_NAME: NOT Ready"; ok=1; fi
+  if [ -f "$state/owner" ]; then
+    local opid ostart; read -r opid ostart < "$state/owner"
+    if owner_alive "$opid" "$ostart"; then echo "owner: pid $opid (running)"; else echo "owner: pid $opid (gone: 'reap' removes this node)"; ok=1; fi
+  fi
+  return $ok
+}
+
+# Nodes whose owner is gone (registry + the default dir), and cipnode-* namespaces whose node
+# is gone (its directory removed, or its init dead with no directory to say whose it was).
+cmd_reap() {
+  local dirs=() d ns nid live=" "
+  [ -f "$registry" ] && mapfile -t dirs < "$registry"
+  dirs+=("$repo/.node")
+  for d in $(printf '%s\n' "${dirs[@]}" | sort -u); do
+    [ -d "$d" ] || continue
+    live+="$(node_id "$d") "
+    [ -f "$d/owner" ] || continue
+    owner_file_alive "$d/owner" && continue
+    ( state=$d; id=$(node_id "$d"); NETNS=cipnode-$id; EXTNS=cipnode-$id-ext
+      cmd_down quiet
+      echo "reap: removed node $d (owner gone)" )
+    live=${live/ $(node_id "$d") / }
+  done
+  for ns in /run/netns/cipnode-*; do
+    [ -e "$ns" ] || continue
+    nid=${ns##*/cipnode-}; nid=${nid%-ext}
+    [[ $live == *" $nid "* ]] && continue
+    ( id=$nid; NETNS=cipnode-$id; EXTNS=cipnode-$id-ext; state=/nonexistent
+      remove_netns && echo "reap: removed netns ${ns##*/} (its node is gone)" )
+  done
+  [ -f "$registry" ] && unregister_missing
+  return 0
+}
+unregister_missing() {
+  ( flock 8
+    while read -r d; do [ -d "$d" ] && echo "$d"; done < "$registry" > "$registry.$$"
+    mv "$registry.$$" "$registry" ) 8>"$registry.lock"
+}
+
+case "${1:-}" in
+  up) cmd_up ;;
+  deploy) cmd_deploy ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  reap) cmd_reap ;;
+  kubectl) shift; kc "$@" ;;
+  exec) shift; in_node "$@" ;;
+  ext) shift; ip netns exec "$EXTNS" "$@" ;;
+  load-images) cmd_load_images ;;
+  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|load-images" >&2; exit 2 ;;
+esac

@@ -1253,8 +1253,17 @@ async fn ha_apiservers_one_restarted_mid_burst(backend: &str, slice: Slice, tag:
         }
     }
     assert!(errors[1].is_empty(), "creates through the surviving apiserver failed: {:#?}", errors[1]);
+    // Through the restarted apiserver a create may fail in transport (it is down), or —
+    // admitted by us just as it began to shut down — be refused by the apiserver's own
+    // allocator, whose loopback request to itself finds its port closed (`failed to allocate
+    // IP …: Post "https://127.0.0.1:<its port>/apis/networking.k8s.io/v1/ipaddresses": …
+    // connection refused`; stock Kubernetes fails the same way without any webhook). Never
+    // refused by our webhook, and never for an address already allocated.
+    let own_port = cp.var("CLUSTERIP_APISERVER").rsplit(':').next().unwrap_or_default().to_string();
     for e in &errors[0] {
-        assert!(!e.contains("422"), "a create through the restarted apiserver was refused, not cut: {e}");
+        let apiserver_loopback = e.contains("/apis/networking.k8s.io/v1/ipaddresses") && e.contains(&format!("127.0.0.1:{own_port}"));
+        assert!(!e.contains("denied the request") && !e.contains("already allocated"), "a create through the restarted apiserver was refused by the webhook or as a duplicate: {e}");
+        assert!(!e.contains("422") || apiserver_loopback, "a create through the restarted apiserver was refused, neither cut nor failed by its own shutdown: {e}");
     }
 
     // What is stored: every acknowledged Service with its address, and nothing twice among

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
 use k8s_openapi::api::networking::v1::IPAddress;
@@ -138,6 +138,13 @@ impl ApiserverIps {
 
     pub fn contains(&self, ip: IpAddr) -> bool {
         read(&self.set).contains(&ip)
+    }
+
+    /// The recorded addresses, read-locked until the guard drops: for a caller that asks
+    /// about many addresses at once (one lock instead of one per address). Hold it briefly;
+    /// the watch waits for it to apply what it receives.
+    pub fn view(&self) -> RwLockReadGuard<'_, HashSet<IpAddr>> {
+        read(&self.set)
     }
 
     /// Every recorded address, for seeding a backend.

@@ -323,7 +323,7 @@ impl BlockStore {
     }
 
     fn taken(&self, st: &State, ip: IpAddr) -> bool {
-        self.recorded.contains(ip) || st.pending.contains_key(&ip) || st.held.iter().any(|h| h.listed.contains(&ip))
+        taken(&self.recorded.view(), st, ip)
     }
 
     /// Pick a free address of range `range` from a usable block, in memory. Returns the
@@ -334,6 +334,9 @@ impl BlockStore {
         let now = Instant::now();
         let cidr = &self.ranges.cidrs()[range];
         let mut st = lock(&self.state);
+        // One read of the view for the whole pick: the watch writes to it while a burst's
+        // IPAddresses arrive, and a pick looks at up to every address of its blocks.
+        let recorded = self.recorded.view();
         let mut chosen = None;
         for i in 0..st.held.len() {
             let h = &st.held[i];
@@ -344,7 +347,7 @@ impl BlockStore {
             for k in 0..len {
                 let off = first + (cursor - first + k) % len;
                 let Some(ip) = cidr.ip_at(off) else { continue };
-                if !self.taken(&st, ip) {
+                if !taken(&recorded, &st, ip) {
                     chosen = Some((i, off, ip));
                     break;
                 }
@@ -359,19 +362,27 @@ impl BlockStore {
             h.last_pick = now;
             st.pending.insert(ip, Pending { parent: parent.cloned() });
         }
-        let free = self.free_in(&st, range, now);
-        (chosen.map(|c| c.2), free < self.options.size)
+        let low = !self.has_free(&recorded, &st, range, now, None, self.options.size);
+        (chosen.map(|c| c.2), low)
     }
 
-    /// Free addresses of `range` in usable blocks.
-    fn free_in(&self, st: &State, range: usize, now: Instant) -> u64 {
-        st.held.iter().filter(|h| h.range == range && self.usable(h, now)).map(|h| self.free_of(st, h)).sum()
-    }
-
-    /// Free addresses of one held block.
-    fn free_of(&self, st: &State, h: &Held) -> u64 {
-        let cidr = &self.ranges.cidrs()[h.range];
-        (h.span.first..h.span.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !self.taken(st, ip))).count() as u64
+    /// Whether the usable blocks of `range` (all but the one named `except`) have at least
+    /// `want` free addresses. Counting stops at `want`, so an answer looks at about one
+    /// block's worth of addresses, not at every address the replica holds.
+    fn has_free(&self, recorded: &HashSet<IpAddr>, st: &State, range: usize, now: Instant, except: Option<&str>, want: u64) -> bool {
+        let cidr = &self.ranges.cidrs()[range];
+        let mut found = 0;
+        for h in st.held.iter().filter(|h| h.range == range && self.usable(h, now) && Some(h.name.as_str()) != except) {
+            for off in h.span.first..h.span.end {
+                if found >= want {
+                    return true;
+                }
+                if cidr.ip_at(off).is_some_and(|ip| !taken(recorded, st, ip)) {
+                    found += 1;
+                }
+            }
+        }
+        found >= want
     }
 
     /// Take one more block of `range`: a block observed unchanged for the lease duration
@@ -645,14 +656,15 @@ impl BlockStore {
             for range in 0..self.ranges.cidrs().len() {
                 let cidr = &self.ranges.cidrs()[range];
                 let in_block = |ip: &IpAddr, h: &Held| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end);
-                let free_in_range = self.free_in(&st, range, now);
+                let recorded = self.recorded.view();
                 let idle = st.held.iter().position(|h| {
                     h.range == range
                         && self.usable(h, now)
                         && now.saturating_duration_since(h.last_pick) >= self.options.lease_duration
                         && !st.pending.keys().any(|ip| in_block(ip, h))
-                        && free_in_range.saturating_sub(self.free_of(&st, h)) >= self.options.size
+                        && self.has_free(&recorded, &st, range, now, Some(&h.name), self.options.size)
                 });
+                drop(recorded);
                 if let Some(i) = idle {
                     let h = &mut st.held[i];
                     h.returning = true;
@@ -688,6 +700,12 @@ enum Need {
     Now,
     /// The replica runs low; its blocks still answer.
     Ahead,
+}
+
+/// Whether `ip` is taken: recorded (per the view `recorded`), picked here and not yet
+/// seen recorded, or recorded per a held block's consistent list.
+fn taken(recorded: &HashSet<IpAddr>, st: &State, ip: IpAddr) -> bool {
+    recorded.contains(&ip) || st.pending.contains_key(&ip) || st.held.iter().any(|h| h.listed.contains(&ip))
 }
 
 /// A free block index: a random dynamic one not in `busy`, else the first free static one.

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The dev control plane: a real etcd and a real kube-apiserver on loopback.
+# The dev control plane: a real etcd, kube-apiserver and kube-controller-manager on loopback.
 #
 #   scripts/dev-cluster.sh up       build (once, cached), start, wait for /readyz, print KUBECONFIG
 #   scripts/dev-cluster.sh down     stop exactly what `up` started (pid files) and remove the state
 #   scripts/dev-cluster.sh status   say what runs; exit 0 when everything is up and ready
-#   scripts/dev-cluster.sh stop C   stop one component (etcd, kube-apiserver; etcd-2, etcd-3,
-#                                   kube-apiserver-2 when started) of a running cluster
+#   scripts/dev-cluster.sh stop C   stop one component (etcd, kube-apiserver,
+#                                   kube-controller-manager; etcd-2, etcd-3, kube-apiserver-2
+#                                   when started) of a running cluster
 #   scripts/dev-cluster.sh start C  start it again with the same state, ports and flags
 #                                   (fault tests use these two)
 #   scripts/dev-cluster.sh reap     remove what runs whose owner is gone left behind: clusters,
@@ -24,6 +25,13 @@
 #
 # Components are started in order and stopped in reverse order; each has a start_<name>
 # function, a pid file and a readiness check. The clusterip controller joins the list later.
+#
+# kube-controller-manager runs as in a real control plane (its service-cidr-controller writes
+# the ServiceCIDRs' finalizer and Ready condition beside ours, its namespace controller
+# finalizes deleted namespaces, its endpointslice controller writes EndpointSlices).
+#   CLUSTERIP_KCM=0           leave it out: the control plane of a cluster that runs
+#                             clusterip's own ServiceCIDR reconciler alone (the test suite's
+#                             private clusters do)
 #
 # Opt-in shapes for fault tests (the default is one etcd member and one apiserver):
 #   CLUSTERIP_ETCD_MEMBERS=3  an etcd cluster of three members on loopback: etcd, etcd-2,
@@ -50,18 +58,22 @@ CONTROLLER_CIDRS=${CLUSTERIP_SERVICE_CIDRS:-198.19.0.0/17,fd00:10:96::/113}
 # clusterip webhook accepts.
 WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
 # CLUSTERIP_CONTROLLER=0 leaves the clusterip controller out (the test suite starts its own).
-ALL_COMPONENTS=(etcd etcd-2 etcd-3 kube-apiserver kube-apiserver-2 clusterip-controller)
+ALL_COMPONENTS=(etcd etcd-2 etcd-3 kube-apiserver kube-apiserver-2 kube-controller-manager clusterip-controller)
 ETCD_MEMBERS=${CLUSTERIP_ETCD_MEMBERS:-1}
 APISERVERS=${CLUSTERIP_APISERVERS:-1}
+KCM=${CLUSTERIP_KCM:-1}
 # (A cluster already up keeps its shape: stop/start/status read it from its ports.env.)
 [ -n "${CLUSTERIP_ETCD_MEMBERS:-}" ] || ! grep -qs '^ETCD_2_PORT=' "$state/ports.env" || ETCD_MEMBERS=3
 [ -n "${CLUSTERIP_APISERVERS:-}" ] || ! grep -qs '^APISERVER_2_PORT=' "$state/ports.env" || APISERVERS=2
+[ -n "${CLUSTERIP_KCM:-}" ] || [ ! -f "$state/ports.env" ] || grep -qs '^KCM_PORT=' "$state/ports.env" || KCM=0
 case "$ETCD_MEMBERS" in 1|3) ;; *) echo "dev-cluster: error: CLUSTERIP_ETCD_MEMBERS=$ETCD_MEMBERS: 1 or 3" >&2; exit 2 ;; esac
 case "$APISERVERS" in 1|2) ;; *) echo "dev-cluster: error: CLUSTERIP_APISERVERS=$APISERVERS: 1 or 2" >&2; exit 2 ;; esac
+case "$KCM" in 0|1) ;; *) echo "dev-cluster: error: CLUSTERIP_KCM=$KCM: 0 or 1" >&2; exit 2 ;; esac
 COMPONENTS=(etcd)
 [ "$ETCD_MEMBERS" = 1 ] || COMPONENTS+=(etcd-2 etcd-3)
 COMPONENTS+=(kube-apiserver)
 [ "$APISERVERS" = 1 ] || COMPONENTS+=(kube-apiserver-2)
+[ "$KCM" = 0 ] || COMPONENTS+=(kube-controller-manager)
 [ "${CLUSTERIP_CONTROLLER:-1}" = 0 ] || COMPONENTS+=(clusterip-controller)
 
 log() { echo "dev-cluster: $*" >&2; }
@@ -89,6 +101,7 @@ binary_of() {
   case "$1" in
     etcd|etcd-[23]) echo "$ETCD_BIN/etcd" ;;
     kube-apiserver|kube-apiserver-2) echo "$K8S_BIN/kube-apiserver" ;;
+    kube-controller-manager) echo "$K8S_BIN/kube-controller-manager" ;;
     clusterip-controller) echo "$repo/target/${CLUSTERIP_PROFILE:-debug}/clusterip" ;;
     *) return 1 ;;
   esac
@@ -187,6 +200,13 @@ EOF
     openssl req -newkey rsa:2048 -nodes -subj "/CN=clusterip-webhook" -keyout webhook.key -out webhook.csr 2>/dev/null
     openssl x509 -req -in webhook.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
       -extfile webhook.ext -out webhook.crt 2>/dev/null
+    # kube-controller-manager's client certificate: the user its RBAC bootstrap roles name
+    # (it then acts for each controller through that controller's ServiceAccount,
+    # --use-service-account-credentials).
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=system:kube-controller-manager" \
+      -keyout kcm.key -out kcm.csr 2>/dev/null
+    openssl x509 -req -in kcm.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
+      -extfile client.ext -out kcm.crt 2>/dev/null
     # service-account token signing key.
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
@@ -199,7 +219,7 @@ EOF
 }
 
 write_kubeconfig() {
-  local pki="$state/pki" file=${1:-kubeconfig} APISERVER_PORT=${2:-$APISERVER_PORT}
+  local pki="$state/pki" file=${1:-kubeconfig} APISERVER_PORT=${2:-$APISERVER_PORT} cert=${3:-admin}
   cat > "$state/$file" <<EOF
 apiVersion: v1
 kind: Config
@@ -211,8 +231,8 @@ clusters:
 users:
 - name: clusterip-dev-admin
   user:
-    client-certificate: $pki/admin.crt
-    client-key: $pki/admin.key
+    client-certificate: $pki/$cert.crt
+    client-key: $pki/$cert.key
 contexts:
 - name: clusterip-dev
   context: {cluster: clusterip-dev, user: clusterip-dev-admin}
@@ -320,6 +340,26 @@ ready_apiserver() {
   local pki="$state/pki"
   curl -fsS --max-time 2 --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" \
     "https://127.0.0.1:$1/readyz" 2>/dev/null | grep -q '^ok$'
+}
+
+# Every controller of a stock kube-controller-manager, each with its own ServiceAccount's
+# credentials; no leader election (one instance). Its serving certificate is made in the
+# state directory (--cert-dir), never in the default /var/run/kubernetes.
+start_kube-controller-manager() {
+  local pki="$state/pki"
+  mkdir -p "$state/kcm-certs"
+  spawn kube-controller-manager "$K8S_BIN/kube-controller-manager" \
+    --kubeconfig "$state/kcm.kubeconfig" \
+    --authentication-kubeconfig "$state/kcm.kubeconfig" --authorization-kubeconfig "$state/kcm.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$KCM_PORT" --cert-dir "$state/kcm-certs" \
+    --leader-elect=false --use-service-account-credentials \
+    --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
+    --cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
+    --profiling=false --v 1
+}
+ready_kube-controller-manager() {
+  curl -fsSk --max-time 2 \
+    "https://127.0.0.1:$KCM_PORT/healthz" 2>/dev/null | grep -q '^ok$'
 }
 
 # kubectl supports an apiserver one minor away; build ours when the machine's is older.
@@ -442,6 +482,7 @@ cmd_up() {
   cmd_down quiet
   local extra=()
   kubectl_too_old && extra+=(kubectl)
+  [ "$KCM" = 0 ] || extra+=(kube-controller-manager)
   "$builder" etcd kube-apiserver "${extra[@]}"
   mkdir -p "$state"
   [ -z "$owner" ] || echo "$owner" > "$state/owner"
@@ -476,6 +517,12 @@ cmd_up() {
     ports+=("$APISERVER_2_PORT")
     more+="APISERVER_2_PORT=$APISERVER_2_PORT"$'\n'
   fi
+  if [ "$KCM" = 1 ]; then
+    KCM_PORT=$(pick_port "${CLUSTERIP_KCM_PORT:-30257}")
+    case " ${ports[*]} " in *" $KCM_PORT "*) die "no free port for kube-controller-manager at ${CLUSTERIP_KCM_PORT:-30257}" ;; esac
+    ports+=("$KCM_PORT")
+    more+="KCM_PORT=$KCM_PORT"$'\n'
+  fi
   claim_ports "${ports[@]}"
   cat > "$state/ports.env" <<EOF
 ETCD_PORT=$ETCD_PORT
@@ -488,6 +535,7 @@ EOF
   printf '%s' "$more" >> "$state/ports.env"
   gen_certs
   write_kubeconfig
+  [ "$KCM" = 0 ] || write_kubeconfig kcm.kubeconfig "$APISERVER_PORT" kcm
   write_admission_config
   # What tests and tools read: endpoints of the parts, one KEY=value per line.
   cat > "$state/env" <<EOF
@@ -505,6 +553,7 @@ EOF
     write_kubeconfig kubeconfig-2 "$APISERVER_2_PORT"
     printf 'CLUSTERIP_APISERVER_2=https://127.0.0.1:%s\nKUBECONFIG_2=%s\n' "$APISERVER_2_PORT" "$state/kubeconfig-2" >> "$state/env"
   fi
+  [ "$KCM" = 0 ] || echo "CLUSTERIP_KCM_URL=https://127.0.0.1:$KCM_PORT" >> "$state/env"
   # A failed start leaves nothing running (the log tail was already printed).
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; stopping what was started"; cmd_down quiet; fi' EXIT
   [ -z "$owner" ] || [ "${CLUSTERIP_WATCHDOG:-1}" = 0 ] || start_watchdog

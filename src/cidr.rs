@@ -115,6 +115,34 @@ pub fn parse_ip(s: &str) -> Result<IpAddr, CidrError> {
     Ok(IpAddr::V4(ip))
 }
 
+/// Reads an address as Kubernetes reads addresses already stored (`netutils.ParseIPSloppy`,
+/// the pre-1.17 Go parser its repair loops use): IPv4 octets may carry leading zeros, read
+/// as decimal (`010.0.0.1` is 10.0.0.1); an IPv4-mapped IPv6 address is that IPv4 address.
+/// For Services stored before the apiserver validated strictly, never for new input (that is
+/// [`parse_ip`]). No zone index, no surrounding spaces.
+pub fn parse_ip_sloppy(s: &str) -> Result<IpAddr, CidrError> {
+    if s.contains(':') || s.trim() != s {
+        return parse_ip(s).or_else(|e| match s.parse::<Ipv6Addr>() {
+            Ok(ip) if !s.contains('%') => Ok(ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4)),
+            _ => Err(e),
+        });
+    }
+    let mut octets = [0u8; 4];
+    let mut parts = s.split('.');
+    for o in octets.iter_mut() {
+        let part = parts.next().filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+        let value = part.map(|p| p.trim_start_matches('0')).filter(|d| d.len() <= 3).and_then(|d| if d.is_empty() { Some(0) } else { d.parse::<u16>().ok() });
+        match value.and_then(|v| u8::try_from(v).ok()) {
+            Some(v) => *o = v,
+            None => return Err(CidrError::new(format!("invalid IP address {s:?}: not a valid IPv4 or IPv6 address"))),
+        }
+    }
+    if parts.next().is_some() {
+        return Err(CidrError::new(format!("invalid IP address {s:?}: not a valid IPv4 or IPv6 address")));
+    }
+    Ok(IpAddr::V4(Ipv4Addr::from(octets)))
+}
+
 /// Refuses IPv4 octets written with a leading zero, naming the canonical spelling.
 fn check_ipv4_octets(s: &str) -> Result<(), CidrError> {
     let octets: Vec<&str> = s.split('.').collect();
@@ -373,6 +401,38 @@ fn u128_to_ip(family: Family, v: u128) -> IpAddr {
     match family {
         Family::IPv4 => IpAddr::V4(Ipv4Addr::from(v as u32)),
         Family::IPv6 => IpAddr::V6(Ipv6Addr::from(v)),
+    }
+}
+
+#[cfg(test)]
+mod sloppy_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn stored_legacy_forms_read_as_kubernetes_reads_them() {
+        let ok = |s: &str| parse_ip_sloppy(s).unwrap_or_else(|e| panic!("{s}: {e}")).to_string();
+        assert_eq!(ok("198.19.010.5"), "198.19.10.5");
+        assert_eq!(ok("010.096.000.001"), "10.96.0.1");
+        assert_eq!(ok("0000198.19.0.5"), "198.19.0.5");
+        assert_eq!(ok("::ffff:198.19.1.5"), "198.19.1.5");
+        assert_eq!(ok("fd00:10:96:0::5"), "fd00:10:96::5");
+        assert_eq!(ok("10.96.0.1"), "10.96.0.1");
+        for bad in ["", " 10.96.0.1", "10.96.0", "10.96.0.1.2", "10.96.0.256", "10.96.0.1000", "10..0.1", "10.96.0.x", "fd00::1%eth0", "not-an-ip", "+1.2.3.4"] {
+            assert!(parse_ip_sloppy(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    proptest! {
+        /// Any padding of any address reads as the address; a strict read of the canonical
+        /// text agrees.
+        #[test]
+        fn zero_padded_octets_read_as_decimal(a in any::<[u8; 4]>(), pad in proptest::collection::vec(0usize..4, 4)) {
+            let text: Vec<String> = a.iter().zip(&pad).map(|(o, p)| format!("{}{o}", "0".repeat(*p))).collect();
+            let ip = IpAddr::V4(Ipv4Addr::from(a));
+            prop_assert_eq!(parse_ip_sloppy(&text.join(".")).ok(), Some(ip));
+            prop_assert_eq!(parse_ip_sloppy(&ip.to_string()).ok(), parse_ip(&ip.to_string()).ok());
+        }
     }
 }
 

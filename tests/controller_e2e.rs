@@ -1022,6 +1022,118 @@ async fn servicecidr_finalizer_ready_and_terminating() {
     poll("deleted", Box::new(|sc| sc.is_none())).await;
 }
 
+/// Beside kube-controller-manager, as in a real control plane: its service-cidr-controller and
+/// our ServiceCIDR reconciler write the same finalizer and the same Ready condition (status,
+/// no reason, message), and each compares before it writes, so once a ServiceCIDR has settled
+/// neither rewrites it. Checked on one ServiceCIDR that kube-controller-manager settled before
+/// our controller started and one created while both run: the resourceVersion of each stays
+/// unchanged for `CLUSTERIP_SERVICECIDR_SETTLE_SECONDS` (default 60; docs/fidelity.md records
+/// a 10-minute run). Then deleting one ends with its finalizer removed and the object gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn servicecidr_settles_beside_kube_controller_manager() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let cp = control_plane();
+    if cp.var_opt("CLUSTERIP_KCM_URL").is_none() {
+        assert_eq!(std::env::var("CLUSTERIP_KCM").as_deref(), Ok("0"), "the test cluster runs no kube-controller-manager (CLUSTERIP_KCM_URL missing from its env) and CLUSTERIP_KCM=0 does not say so");
+        eprintln!("CLUSTERIP_KCM=0: no kube-controller-manager to settle beside");
+        return;
+    }
+    let hold = Duration::from_secs(std::env::var("CLUSTERIP_SERVICECIDR_SETTLE_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(60));
+    let client = cp.client().await;
+    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
+    let create = |prefix: &'static str| {
+        let cidrs = cidrs.clone();
+        async move {
+            let name = unique_name("settle");
+            let sc: ServiceCIDR = serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": [prefix]}})).unwrap();
+            cidrs.create(&PostParams::default(), &sc).await.expect("create ServiceCIDR");
+            name
+        }
+    };
+    // Settled as kube-controller-manager leaves it: its finalizer, Ready=True without a reason.
+    let settled = |sc: &ServiceCIDR| {
+        let ready = sc.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| c.iter().find(|c| c.type_ == "Ready"));
+        sc.metadata.finalizers.iter().flatten().any(|f| f == "networking.k8s.io/service-cidr-finalizer")
+            && ready.is_some_and(|c| c.status == "True" && c.reason.is_empty() && c.message == "Kubernetes Service CIDR is ready")
+    };
+    let wait_settled = |name: String| {
+        let cidrs = cidrs.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let got = cidrs.get(&name).await.expect("get ServiceCIDR");
+                if settled(&got) {
+                    return got;
+                }
+                assert!(Instant::now() < deadline, "ServiceCIDR {name} not settled (finalizer, Ready=True with kube-controller-manager's message and no reason) within 60s: {:?} {:?}", got.metadata.finalizers, got.status);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let first = create("198.18.251.0/24").await;
+    let _cleanup_first = ServiceCidrOnDrop(cidrs.clone(), first.clone());
+    let before = wait_settled(first.clone()).await;
+    let managers = |sc: &ServiceCIDR| sc.metadata.managed_fields.iter().flatten().filter_map(|m| m.manager.clone()).collect::<Vec<_>>();
+    assert!(managers(&before).iter().any(|m| m == "service-cidr-controller"), "kube-controller-manager did not write the Ready condition: managers {:?}", managers(&before));
+
+    // Our controller, leading (its reconcilers run only on the leader), then one more.
+    let wh = Webhook::start(&cp, "etcd", Slice(21)).await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while leases.get_opt(&wh.name).await.expect("read lease").and_then(|l| l.spec).and_then(|s| s.holder_identity).is_none() {
+        assert!(Instant::now() < deadline, "no leader elected within 120s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let second = create("198.18.252.0/24").await;
+    let _cleanup_second = ServiceCidrOnDrop(cidrs.clone(), second.clone());
+    wait_settled(second.clone()).await;
+
+    // Settled: from here on nobody writes either of them.
+    let mut versions = Vec::new();
+    for name in [&first, &second] {
+        versions.push((name.clone(), cidrs.get(name).await.expect("get ServiceCIDR")));
+    }
+    let until = Instant::now() + hold;
+    while Instant::now() < until {
+        for (name, then) in &versions {
+            let now = cidrs.get(name).await.expect("get ServiceCIDR");
+            assert_eq!(
+                now.metadata.resource_version, then.metadata.resource_version,
+                "ServiceCIDR {name} rewritten after it settled (a condition or finalizer fight):\nthen: {:?}\n{:?}\nnow: {:?}\n{:?}",
+                then.metadata.managed_fields, then.status, now.metadata.managed_fields, now.status
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    eprintln!("ServiceCIDRs {first} and {second} unchanged for {}s beside kube-controller-manager", hold.as_secs());
+
+    // A deletion with no address depending on it completes (grace period 10 s); both go, so
+    // that no later test finds them (stock's dry-run answers depend on which ServiceCIDRs exist).
+    for name in [&second, &first] {
+        cidrs.delete(name, &DeleteParams::default()).await.expect("delete ServiceCIDR");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for name in [&second, &first] {
+        while let Some(sc) = cidrs.get_opt(name).await.expect("get ServiceCIDR") {
+            assert!(Instant::now() < deadline, "ServiceCIDR {name} still there 60s after its deletion: {:?} {:?}", sc.metadata.finalizers, sc.status);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Deletes a ServiceCIDR when dropped (finalizers run their course in the cluster).
+struct ServiceCidrOnDrop(Api<k8s_openapi::api::networking::v1::ServiceCIDR>, String);
+
+impl Drop for ServiceCidrOnDrop {
+    fn drop(&mut self) {
+        let (api, name) = (self.0.clone(), self.1.clone());
+        block_on_drop(async move {
+            let _ = api.delete(&name, &DeleteParams::default()).await;
+        });
+    }
+}
+
 /// The Service reconciler (on the leader) records an address in our range that a Service got
 /// without our webhook (here: a namespace the webhook does not select), says so with a
 /// Warning Event in Kubernetes' words, and releases it when the Service goes.

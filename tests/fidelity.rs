@@ -282,6 +282,16 @@ enum Outcome {
     Failed { code: u16, reason: String, kind: String, name: String, message: String, causes: Vec<(String, String, String)> },
 }
 
+/// One table cell for an outcome: what was stored, or the code and message of the refusal.
+fn summary(o: &Outcome) -> String {
+    match o {
+        Outcome::Created { type_, policy, families, ips } => {
+            format!("created: {type_}, {policy}, [{}], {} address(es){}", families.join(","), ips.len(), if ips.is_empty() { String::new() } else { format!(" {}", ips.join(",")) })
+        }
+        Outcome::Failed { code, reason, message, .. } => format!("{code} {reason}: {}", message.replace('|', "\\|")),
+    }
+}
+
 /// Addresses and CIDRs in `text` replaced by `<ip>`.
 fn mask(text: &str) -> String {
     let is_ipish = |c: char| c.is_ascii_hexdigit() || c == ':' || c == '.' || c == '/';
@@ -614,8 +624,10 @@ async fn matches_stock(layout: &Layout) {
         // address anyone else holds is skipped when the cases are filled in.
         free_fidelity_leftover(&client, &ip).await;
     }
+    only_the_default_servicecidr(&client).await;
     let cases = cases();
     let (mut matched, mut unexpected, mut deliberate) = (0, Vec::new(), Vec::new());
+    let mut table = vec![format!("| case | stock Kubernetes ({} backend run) | clusterip, {} backend |", layout.backend, layout.backend), "|---|---|---|".to_string()];
     for case in &cases {
         let want = run(&client, &mut stock, case, false).await;
         let got = run(&client, &mut ours, case, true).await;
@@ -623,6 +635,12 @@ async fn matches_stock(layout: &Layout) {
         if same {
             matched += 1;
         }
+        let verdict = match (same, case.differs) {
+            (true, _) => "same".to_string(),
+            (false, Some(_)) => format!("deliberately different: {}", summary(&got)),
+            (false, None) => format!("**different**: {}", summary(&got)),
+        };
+        table.push(format!("| `{}` | {} | {verdict} |", case.name, summary(&want)));
         match (same, case.differs) {
             (true, None) => {}
             (false, Some(why)) => deliberate.push(format!("{}: {why}", case.name)),
@@ -631,10 +649,37 @@ async fn matches_stock(layout: &Layout) {
         }
     }
     eprintln!("fidelity ({} backend): {matched}/{} cases match stock Kubernetes", layout.backend, cases.len());
+    // The per-case table of docs/fidelity.md: CLUSTERIP_FIDELITY_TABLE=<dir> writes
+    // <dir>/fidelity-<backend>.md.
+    if let Ok(dir) = std::env::var("CLUSTERIP_FIDELITY_TABLE") {
+        let path = std::path::Path::new(&dir).join(format!("fidelity-{}.md", layout.backend));
+        table.push(format!("\n{matched}/{} cases match stock Kubernetes.", cases.len()));
+        std::fs::write(&path, table.join("\n") + "\n").unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        eprintln!("fidelity ({} backend): table written to {}", layout.backend, path.display());
+    }
     for d in &deliberate {
         eprintln!("fidelity ({} backend): deliberate difference: {d}", layout.backend);
     }
     assert!(unexpected.is_empty(), "unexpected differences from stock Kubernetes:\n{}", unexpected.join("\n"));
+}
+
+/// Waits (up to 120 s) until the apiserver's default ServiceCIDR `kubernetes` is the only
+/// one. Stock Kubernetes answers a dry-run create with a static address from one ServiceCIDR
+/// of the family chosen at random (v1.37.1's `MetaAllocator.DryRun` takes the first entry of
+/// a Go map), so its answer is the apiserver's range's only while no other ServiceCIDR exists;
+/// other tests' ServiceCIDRs linger for the 10 s deletion grace period after those tests end.
+async fn only_the_default_servicecidr(client: &Client) {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let api: Api<ServiceCIDR> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let others: Vec<String> = api.list(&Default::default()).await.expect("list ServiceCIDRs").items.into_iter().filter_map(|sc| sc.metadata.name).filter(|n| n != "kubernetes").collect();
+        if others.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "ServiceCIDRs besides `kubernetes` still exist after 120s ({others:?}): stock Kubernetes' dry-run answers would depend on which one it picks");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// A full range, compared with stock Kubernetes on a control plane of its own whose

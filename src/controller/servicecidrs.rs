@@ -1,7 +1,7 @@
 //! The ServiceCIDR reconciler (Kubernetes' service-cidr-controller, which lives in
 //! kube-controller-manager; control planes that run clusterip instead get it here):
 //! - a live ServiceCIDR gets the finalizer `networking.k8s.io/service-cidr-finalizer` and
-//!   the condition `Ready=True`;
+//!   the condition `Ready=True` (no reason, as kube-controller-manager writes it);
 //! - a ServiceCIDR being deleted keeps the finalizer, with `Ready=False`, reason
 //!   `Terminating` and a message that says why, while an address that only it covers is in
 //!   use (an IPAddress object, or a record of ours); otherwise the finalizer is removed once
@@ -66,7 +66,7 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
         reason: reason.into(),
         message: message.into(),
         last_transition_time: Time(Timestamp::now()),
-        observed_generation: sc.metadata.generation,
+        observed_generation: None,
     };
     let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "status": {"conditions": [cond]}});
     api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
@@ -129,7 +129,10 @@ async fn reconcile(sc: Arc<ServiceCIDR>, ctx: Arc<Context>) -> Result<Action, Er
         let patch = json!({"metadata": {"finalizers": with, "resourceVersion": sc.metadata.resource_version}});
         api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     }
-    set_ready(&api, &sc, "True", "ServiceCIDRReady", READY_MESSAGE).await?;
+    // kube-controller-manager's service-cidr-controller writes Ready=True without a reason
+    // and compares status, reason and message before writing: the same three here, so that
+    // where both run, whichever writes first settles it for the other.
+    set_ready(&api, &sc, "True", "", READY_MESSAGE).await?;
     Ok(Action::await_change())
 }
 

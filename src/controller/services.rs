@@ -1,7 +1,10 @@
 //! Keeps the allocation records and the Services consistent, from a watch on Services:
 //! - a Service that holds an address in our ranges the records lack → the address is
 //!   recorded, and a Warning `ClusterIPNotAllocated` Event says so;
-//! - an address that does not parse → Warning `ClusterIPNotValid`;
+//! - an address that does not parse → Warning `ClusterIPNotValid`. Stored addresses are read
+//!   as Kubernetes' repair reads them ([`cidr::parse_ip_sloppy`]): a Service stored before the
+//!   apiserver validated strictly (`010.96.0.1`, `::ffff:10.96.0.1`) holds that address, and
+//!   gets no Event stock Kubernetes would not post;
 //! - a deleted Service, or one that no longer holds an address (changed to ExternalName,
 //!   downgraded to one family) → those addresses in our ranges are released, once the
 //!   kube-apiserver no longer records them (read from storage; it deletes a Service's
@@ -52,7 +55,7 @@ fn family_word(ip: IpAddr) -> &'static str {
 pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, svc: &Service) -> Result<(), StoreError> {
     let ranges = store.ranges();
     for text in service_ips(svc) {
-        let ip = match cidr::parse_ip(&text) {
+        let ip = match cidr::parse_ip_sloppy(&text) {
             Ok(ip) => ip,
             Err(_) => {
                 events.warn(svc, "ClusterIPNotValid", "ClusterIPValidation", format!("Cluster IP {text} is not a valid IP; please recreate Service")).await;
@@ -83,7 +86,7 @@ const RELEASE_TICK: Duration = Duration::from_secs(1);
 
 /// The addresses in our ranges a Service holds.
 fn held_in(ranges: &[crate::cidr::ServiceCidr], svc: &Service) -> Vec<IpAddr> {
-    service_ips(svc).iter().filter_map(|t| cidr::parse_ip(t).ok()).filter(|ip| ranges.iter().any(|c| c.contains(*ip))).collect()
+    service_ips(svc).iter().filter_map(|t| cidr::parse_ip_sloppy(t).ok()).filter(|ip| ranges.iter().any(|c| c.contains(*ip))).collect()
 }
 
 fn key_of(svc: &Service) -> String {

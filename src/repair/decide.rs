@@ -301,11 +301,13 @@ pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: 
         }
     };
 
-    // Owners of every parsed address; malformed addresses reported on the way.
+    // Owners of every parsed address; malformed addresses reported on the way. Stored
+    // addresses are read as Kubernetes' repair reads them (leading zeros, IPv4-mapped IPv6:
+    // the address they spell), never as new input.
     let mut owners: BTreeMap<IpAddr, Vec<&ServiceView>> = BTreeMap::new();
     for svc in services {
         for text in &svc.cluster_ips {
-            match cidr::parse_ip(text) {
+            match cidr::parse_ip_sloppy(text) {
                 Ok(ip) => owners.entry(ip).or_default().push(svc),
                 Err(_) => report.findings.push(Finding {
                     kind: Kind::Malformed,
@@ -331,7 +333,7 @@ pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: 
             || objects.get(&ip).is_some_and(|r| ours(r))
             || match &cfg.cluster_ranges {
                 Some(cluster) => !cluster.iter().any(|c| c.contains(ip)),
-                None => list.iter().any(|s| s.assigned_by_us.iter().any(|t| cidr::parse_ip(t).ok() == Some(ip))),
+                None => list.iter().any(|s| s.assigned_by_us.iter().any(|t| cidr::parse_ip_sloppy(t).ok() == Some(ip))),
             };
         if !in_range && !claimed {
             report.foreign += 1;

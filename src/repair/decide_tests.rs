@@ -175,10 +175,10 @@ fn family_not_configured() {
 
 #[test]
 fn malformed_service_address() {
-    let r = decide(&etcd(), &[svc("a", "bad", 1, &["10.0.0.01"])], &map(&[]), &mut LeakCounts::default());
+    let r = decide(&etcd(), &[svc("a", "bad", 1, &["10.0.0.1x"])], &map(&[]), &mut LeakCounts::default());
     let f = only(&r);
     assert_eq!((f.kind, &f.action), (Kind::Malformed, &Action::Event));
-    assert_eq!(f.event.as_ref().unwrap().note, "Cluster IP 10.0.0.01 is not a valid IP; please recreate Service");
+    assert_eq!(f.event.as_ref().unwrap().note, "Cluster IP 10.0.0.1x is not a valid IP; please recreate Service");
 }
 
 #[test]
@@ -307,4 +307,16 @@ fn metric_types_are_kubernetes_labels() {
     .map(|k| k.metric_type())
     .collect();
     assert_eq!(types, ["duplicate", "invalid", "leak", "outOfRange", "repair"].into_iter().collect());
+}
+
+/// A Service stored before the apiserver validated strictly holds the address its text
+/// spells, as Kubernetes' repair reads it (`ParseIPSloppy`): no `ClusterIPNotValid`; recorded
+/// → consistent, unrecorded → a missing record of the canonical address.
+#[test]
+fn a_stored_legacy_form_is_the_address_it_spells() {
+    let r = decide(&etcd(), &[svc("a", "zeros", 1, &["10.0.0.01"]), svc("a", "mapped", 2, &["::ffff:10.0.0.2"])], &map(&["10.0.0.1", "10.0.0.2"]), &mut LeakCounts::default());
+    assert!(r.findings.is_empty(), "{:?}", r.findings);
+    let r = decide(&etcd(), &[svc("a", "zeros", 1, &["10.0.0.005"])], &map(&[]), &mut LeakCounts::default());
+    let f = only(&r);
+    assert_eq!((f.kind, f.address.as_str()), (Kind::MissingRecord, "10.0.0.5"));
 }

@@ -102,7 +102,10 @@ impl ControlPlane {
     }
 
     /// A control plane of its own for a test that breaks it (stops etcd, say): started now,
-    /// stopped and removed when the value is dropped, failed test included.
+    /// stopped and removed when the value is dropped, failed test included. Without
+    /// kube-controller-manager unless `env` asks for it (`("CLUSTERIP_KCM", "1")`): these
+    /// tests break etcd or an apiserver, and one more process per cluster only loads the
+    /// machine.
     pub fn private(tag: &str) -> ControlPlane {
         Self::private_with(tag, &[])
     }
@@ -112,7 +115,7 @@ impl ControlPlane {
     pub fn private_with(tag: &str, env: &[(&str, &str)]) -> ControlPlane {
         let dir = std::env::temp_dir().join(format!("clusterip-{tag}-{}", std::process::id()));
         let mut up = owned_up(&dir);
-        up.envs(env.iter().copied());
+        up.env("CLUSTERIP_KCM", "0").envs(env.iter().copied());
         let status = up.stdout(std::process::Stdio::null()).status().expect("run scripts/dev-cluster.sh");
         let mut cp = ControlPlane::read(&dir).unwrap_or_else(|e| {
             let _ = Command::new(repo_root().join("scripts/dev-cluster.sh")).arg("down").env("CLUSTERIP_CLUSTER_DIR", &dir).status();
@@ -170,6 +173,12 @@ impl ControlPlane {
     /// etcd client endpoints (plain HTTP on loopback).
     pub fn etcd_endpoints(&self) -> Vec<String> {
         self.var("CLUSTERIP_ETCD_ENDPOINTS").split(',').map(str::to_string).collect()
+    }
+
+    /// A value from the cluster's env file, if it has one (`CLUSTERIP_KCM_URL` only when
+    /// kube-controller-manager runs).
+    pub fn var_opt(&self, key: &str) -> Option<&str> {
+        self.env.get(key).map(String::as_str)
     }
 
     /// A value from the cluster's env file (see `scripts/dev-cluster.sh`).

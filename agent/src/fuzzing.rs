@@ -19,6 +19,8 @@
 //! own (`scripts/fuzz.sh` starts the fuzzer under `unshare --net`). `CLUSTERIP_FUZZ_NFT=0`
 //! skips the `nft` checks (machines without nft or without the right to unshare).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeSet;
 use std::io::Write as _;
 use std::process::{Command, Stdio};

@@ -8,6 +8,8 @@
 //! Only names are read (`nft -j list chains`, `nft -t -j list sets|maps`: no rules, no
 //! elements), which stays cheap at 10k Services.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeSet;
 
 use super::render::{Family, SetName, TABLE};

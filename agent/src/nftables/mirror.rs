@@ -2,6 +2,8 @@
 //! shared map/set element, chains waiting for deletion. Diffs against it produce the
 //! operations of a sync; the table is never listed for that.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::adopt::Existing;

@@ -26,6 +26,18 @@ use mirror::FamilyMirror;
 use render::{RenderOptions, TABLE};
 use transaction::Transaction;
 
+impl From<slots::SlotsExhausted> for DataplaneError {
+    fn from(e: slots::SlotsExhausted) -> Self {
+        DataplaneError::Dataplane(Box::new(e))
+    }
+}
+
+impl From<netlink::NetlinkError> for DataplaneError {
+    fn from(e: netlink::NetlinkError) -> Self {
+        DataplaneError::Dataplane(Box::new(e))
+    }
+}
+
 /// Default bound on the operations of one transaction.
 pub const DEFAULT_MAX_OPS: usize = 50_000;
 

@@ -601,22 +601,7 @@ impl Socket {
     pub fn open(netns: Option<&std::fs::File>) -> Result<Socket, NetlinkError> {
         match netns {
             None => Self::open_here(),
-            Some(f) => {
-                let fd = f.as_raw_fd();
-                // setns(CLONE_NEWNET) changes only the calling thread: do it in a thread of
-                // its own, which opens the socket and ends.
-                std::thread::scope(|s| {
-                    s.spawn(move || {
-                        // SAFETY: plain syscall on a valid descriptor; affects this thread only.
-                        if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
-                            return Err(NetlinkError::Netns(std::io::Error::last_os_error()));
-                        }
-                        Self::open_here()
-                    })
-                    .join()
-                    .unwrap_or_else(|_| Err(NetlinkError::Netns(std::io::Error::other("thread panicked"))))
-                })
-            }
+            Some(f) => crate::netns::on_thread_in(f, Self::open_here).map_err(NetlinkError::Netns)?,
         }
     }
 

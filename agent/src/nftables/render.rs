@@ -1,6 +1,8 @@
 //! Rendering: the table skeleton, and one Service port → its [`Fragment`] (chains, sets and
 //! map elements it owns). Pure: no I/O; slot ranges come from the caller's allocator.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::IpAddr;

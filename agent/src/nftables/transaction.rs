@@ -1,6 +1,8 @@
 //! One nft transaction (one `nft -f -` run, atomic), assembled in the order the kernel
 //! needs: chains and sets first, stale elements out, rules, new elements in, sets removed.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 

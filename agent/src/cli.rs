@@ -1,5 +1,7 @@
 //! Command line and process wiring.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -226,7 +228,7 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
     };
     let dataplane = proxier(&args, exec.clone());
     tracing::info!(node = %node_name, mode = dataplane.mode(), netns = ?args.netns, "clusterip-agent starting");
-    let health_servers = crate::service_health::ServiceHealthServers::new(exec.netns_file(), tokio::runtime::Handle::current(), &shared)
+    let health_servers = crate::service_health::ServiceHealthServers::new(exec.netns_file(), tokio::runtime::Handle::current(), shared.health.clone())
         .with_events(events_client, &node_name);
     let s = shared.clone();
     let loop_thread = std::thread::Builder::new()

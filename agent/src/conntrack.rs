@@ -10,6 +10,8 @@
 //!   cleanup keeps entries whose endpoint is serving);
 //! - entries of a VIP whose Service port is gone.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 

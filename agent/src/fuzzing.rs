@@ -9,15 +9,17 @@
 //! - [`nft`]: the same input, and `nft`'s own parser (and the kernel, through `nft -c`) must
 //!   accept the rendered full sync followed by the delta sync, in a network namespace of
 //!   its own.
-//! - [`netlink_encode`]: operations written as text → [`netlink::encode`] never panics, and
-//!   whatever it accepts, `nft -c` accepts written as nft text (so the encoder never sends
-//!   the kernel something nft would refuse).
+//! - [`netlink_encode`]: operations written as text, read into typed operations →
+//!   [`netlink::encode`] never panics, and whatever it accepts, `nft -c` accepts written as
+//!   nft text (so the encoder never sends the kernel something nft would refuse).
 //!
 //! `nft` runs as `unshare --net -- nft -c -f -` (a new, empty network namespace per run;
 //! `-c` commits nothing) — never in the namespace the agent or the test runs in — unless
 //! `CLUSTERIP_FUZZ_OWN_NETNS=1` says the whole process already runs in a namespace of its
 //! own (`scripts/fuzz.sh` starts the fuzzer under `unshare --net`). `CLUSTERIP_FUZZ_NFT=0`
 //! skips the `nft` checks (machines without nft or without the right to unshare).
+
+#![forbid(unsafe_code)]
 
 use std::collections::BTreeSet;
 use std::io::Write as _;
@@ -30,7 +32,8 @@ use crate::model::state::{NodeInfo, ProxyState};
 use crate::model::{IpFamily, NamespacedName, Protocol};
 use crate::nftables::mirror::FamilyMirror;
 use crate::nftables::netlink;
-use crate::nftables::render::{RenderOptions, SetName, SHARED_SETS};
+use crate::nftables::ops::{Expr, Key, Rule, SetName, Value, Verdict};
+use crate::nftables::render::{RenderOptions, SERVICE_IPS, SERVICE_NODEPORTS, SHARED_SETS};
 use crate::nftables::transaction::Transaction;
 
 /// The targets, by the names `scripts/fuzz.sh` and the corpus folders use.
@@ -214,11 +217,11 @@ pub fn nft_check(text: &str) -> Result<(), String> {
     }
 }
 
-/// One operation of the [`netlink_encode`] input, owned.
+/// One operation of the [`netlink_encode`] input, typed.
 enum TextOp {
     Chain { family: IpFamily, kind: u8, chain: String },
-    Rule { family: IpFamily, chain: String, rule: String },
-    Element { family: IpFamily, set: SetName, key: String, value: Option<String>, delete: bool },
+    Rule { family: IpFamily, chain: String, rule: Rule },
+    Element { family: IpFamily, set: SetName, key: Key, value: Option<Value>, delete: bool },
 }
 
 fn set_name(s: &str) -> Option<SetName> {
@@ -230,18 +233,83 @@ fn set_name(s: &str) -> Option<SetName> {
     }
     let rest = s.strip_prefix("endpoint-dnat-")?;
     let (p, k) = rest.split_once('-')?;
-    let proto = match p {
-        "tcp" => Protocol::Tcp,
-        "udp" => Protocol::Udp,
-        "sctp" => Protocol::Sctp,
+    Some(SetName::EndpointDnat(protocol(p)?, k.parse().ok()?))
+}
+
+fn protocol(p: &str) -> Option<Protocol> {
+    match p {
+        "tcp" => Some(Protocol::Tcp),
+        "udp" => Some(Protocol::Udp),
+        "sctp" => Some(Protocol::Sctp),
+        _ => None,
+    }
+}
+
+/// `drop`, `accept`, `return`, `jump C`, `goto C`.
+fn verdict(text: &str) -> Option<Verdict> {
+    let mut it = text.split_whitespace();
+    let v = match (it.next(), it.next()) {
+        (Some("drop"), None) => Verdict::Drop,
+        (Some("accept"), None) => Verdict::Accept,
+        (Some("return"), None) => Verdict::Return,
+        (Some("goto"), Some(c)) => Verdict::Goto(c.to_string()),
+        (Some("jump"), Some(c)) => Verdict::Jump(c.to_string()),
         _ => return None,
     };
-    k.parse().ok().map(|k| SetName::EndpointDnat(proto, k))
+    it.next().is_none().then_some(v)
+}
+
+/// A key of `set` written `a . b . c` (the fields its type has).
+fn key(set: SetName, text: &str) -> Option<Key> {
+    use crate::nftables::render::{FIREWALL_IPS, HAIRPIN, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES};
+    let f: Vec<&str> = text.split(" . ").map(str::trim).collect();
+    Some(match (set, f.as_slice()) {
+        (SetName::Named(SERVICE_IPS | NO_ENDPOINT_SERVICES | FIREWALL_IPS), [a, p, n]) => {
+            Key::AddrProtoPort(a.parse().ok()?, protocol(p)?, n.parse().ok()?)
+        }
+        (SetName::Named(SERVICE_NODEPORTS | NO_ENDPOINT_NODEPORTS), [p, n]) => Key::ProtoPort(protocol(p)?, n.parse().ok()?),
+        (SetName::Named(HAIRPIN), [a, b]) => Key::AddrPair(a.parse().ok()?, b.parse().ok()?),
+        (SetName::EndpointDnat(..) | SetName::EndpointChains(_), [slot]) => Key::Slot(slot.parse().ok()?),
+        _ => return None,
+    })
+}
+
+/// A map value: `ADDR . PORT` for the endpoint DNAT maps, else a verdict.
+fn value(set: SetName, text: &str) -> Option<Value> {
+    match set {
+        SetName::EndpointDnat(..) => {
+            let (a, p) = text.split_once(" . ")?;
+            Some(Value::AddrPort(a.trim().parse().ok()?, p.trim().parse().ok()?))
+        }
+        _ => verdict(text).map(Value::Verdict),
+    }
+}
+
+/// The rule shapes of a plain Service port chain (the ones the encoder writes):
+/// `jump C`, `goto C`, `meta l4proto P dnat to numgen random mod N offset B map @M`,
+/// `meta l4proto P dnat to ADDR:PORT`.
+fn rule(text: &str) -> Option<Rule> {
+    let w: Vec<&str> = text.split(' ').collect();
+    Some(match w.as_slice() {
+        ["jump", c] => Rule::verdict(Verdict::Jump(c.to_string())),
+        ["goto", c] => Rule::verdict(Verdict::Goto(c.to_string())),
+        ["meta", "l4proto", p, "dnat", "to", "numgen", "random", "mod", n, "offset", b, "map", m] => Rule::new([
+            Expr::L4Proto(protocol(p)?),
+            Expr::DnatNumgenMap { modulus: n.parse().ok()?, offset: b.parse().ok()?, map: set_name(m.strip_prefix('@')?)? },
+        ]),
+        ["meta", "l4proto", p, "dnat", "to", target] => {
+            let sa: std::net::SocketAddr = target.parse().ok()?;
+            Rule::new([Expr::L4Proto(protocol(p)?), Expr::DnatTo(sa.ip(), sa.port())])
+        }
+        _ => return None,
+    })
 }
 
 /// Lines `FAMILY VERB ...`: `4 add-chain C`, `6 flush-chain C`, `4 delete-chain C`,
-/// `4 rule C <rule text>`, `4 add SET KEY[ => VALUE]`, `6 delete SET KEY`.
-fn text_ops(s: &str) -> Vec<TextOp> {
+/// `4 rule C <rule text>`, `4 add SET KEY[ => VALUE]`, `6 delete SET KEY`. Other lines are
+/// skipped; None when a rule, key or value does not read as a typed one (the encoder
+/// cannot be given it).
+fn text_ops(s: &str) -> Option<Vec<TextOp>> {
     let mut out = Vec::new();
     for line in s.lines() {
         let mut w = line.splitn(3, ' ');
@@ -256,15 +324,20 @@ fn text_ops(s: &str) -> Vec<TextOp> {
             "flush-chain" => TextOp::Chain { family, kind: 1, chain: rest.into() },
             "delete-chain" => TextOp::Chain { family, kind: 2, chain: rest.into() },
             "rule" => match rest.split_once(' ') {
-                Some((chain, rule)) => TextOp::Rule { family, chain: chain.into(), rule: rule.into() },
+                Some((chain, r)) => TextOp::Rule { family, chain: chain.into(), rule: rule(r)? },
                 None => continue,
             },
             "add" | "delete" => {
                 let Some((set, elem)) = rest.split_once(' ') else { continue };
                 let Some(set) = set_name(set) else { continue };
-                let (key, value) = match elem.split_once(" => ") {
-                    Some((k, v)) => (k.to_string(), Some(v.to_string())),
-                    None => (elem.to_string(), None),
+                let (k, v) = match elem.split_once(" => ") {
+                    Some((k, v)) => (k, Some(v)),
+                    None => (elem, None),
+                };
+                let key = key(set, k)?;
+                let value = match v {
+                    Some(v) => Some(value(set, v)?),
+                    None => None,
                 };
                 TextOp::Element { family, set, key, value, delete: verb == "delete" }
             }
@@ -272,66 +345,69 @@ fn text_ops(s: &str) -> Vec<TextOp> {
         };
         out.push(op);
     }
-    out
+    Some(out)
 }
 
-/// Chain names a verdict (`jump C`, `goto C`) or a rule refers to.
-fn referenced_chain(verdict: &str) -> Option<&str> {
-    let mut w = verdict.split_whitespace();
-    match (w.next(), w.next(), w.next()) {
-        (Some("jump" | "goto"), Some(c), None) => Some(c),
+/// The chain a verdict refers to.
+fn verdict_chain(v: &Verdict) -> Option<&str> {
+    match v {
+        Verdict::Jump(c) | Verdict::Goto(c) => Some(c),
         _ => None,
     }
 }
 
-/// Operations as text → a [`Transaction`] → [`Transaction::netlink_ops`] →
-/// [`netlink::encode`], the path a sync takes. Checks: nothing panics; whatever the encoder
-/// accepts, nft's parser accepts as the same transaction written as nft text, on a table
-/// holding the skeleton, every chain named and every endpoint map used (what the mirror
-/// guarantees before it writes such operations). A refusal by the kernel ("Could not
-/// process rule": a missing element, a chain in use) is about the table's state, not about
-/// how the operation was read, and is not counted against the encoder.
+/// Operations as text → typed operations in a [`Transaction`] →
+/// [`Transaction::netlink_ops`] → [`netlink::encode`], the path a sync takes. Checks:
+/// nothing panics; whatever the encoder accepts, nft's parser accepts as the same
+/// transaction written as nft text ([`Transaction::text`]), on a table holding the
+/// skeleton, every chain named and every endpoint map used (what the mirror guarantees
+/// before it writes such operations). A refusal by the kernel ("Could not process rule": a
+/// missing element, a chain in use) is about the table's state, not about how the
+/// operation was written, and is not counted against the encoder.
 pub fn netlink_encode(data: &[u8]) -> bool {
     let Ok(s) = std::str::from_utf8(data) else { return false };
-    let ops = text_ops(s);
+    let Some(ops) = text_ops(s) else { return false };
     if ops.is_empty() {
         return false;
     }
     let mut tx = Transaction::new();
     let mut chains: BTreeSet<(IpFamily, String)> = BTreeSet::new();
     let mut maps: BTreeSet<(IpFamily, SetName)> = BTreeSet::new();
-    for o in &ops {
+    for o in ops {
         match o {
             TextOp::Chain { family, kind, chain } => match kind {
-                0 => tx.add_chain(*family, chain),
+                0 => tx.add_chain(family, &chain),
                 1 => {
-                    chains.insert((*family, chain.clone()));
-                    tx.flush_chain(*family, chain)
+                    tx.flush_chain(family, &chain);
+                    chains.insert((family, chain));
                 }
                 _ => {
-                    chains.insert((*family, chain.clone()));
-                    tx.delete_chain(*family, chain)
+                    tx.delete_chain(family, &chain);
+                    chains.insert((family, chain));
                 }
             },
             TextOp::Rule { family, chain, rule } => {
-                chains.insert((*family, chain.clone()));
-                if let Some(c) = referenced_chain(rule) {
-                    chains.insert((*family, c.to_string()));
+                for e in &rule.0 {
+                    match e {
+                        Expr::Verdict(v) => chains.extend(verdict_chain(v).map(|c| (family, c.to_string()))),
+                        Expr::DnatNumgenMap { map, .. } => {
+                            maps.insert((family, *map));
+                        }
+                        _ => {}
+                    }
                 }
-                if let Some(m) = rule.rsplit_once(" map @").map(|(_, m)| m).and_then(set_name) {
-                    maps.insert((*family, m));
-                }
-                tx.add_rule(*family, chain, rule);
+                tx.add_rule(family, &chain, rule);
+                chains.insert((family, chain));
             }
             TextOp::Element { family, set, key, value, delete } => {
-                maps.insert((*family, *set));
-                if let Some(c) = value.as_deref().and_then(referenced_chain) {
-                    chains.insert((*family, c.to_string()));
+                maps.insert((family, set));
+                if let Some(Value::Verdict(v)) = &value {
+                    chains.extend(verdict_chain(v).map(|c| (family, c.to_string())));
                 }
-                if *delete {
-                    tx.delete_element(*family, *set, key);
+                if delete {
+                    tx.delete_element(family, set, key);
                 } else {
-                    tx.add_element(*family, *set, key, value.as_deref());
+                    tx.add_element(family, set, key, value);
                 }
             }
         }
@@ -347,8 +423,8 @@ pub fn netlink_encode(data: &[u8]) -> bool {
         pre.rebuild_family(fam);
     }
     for (fam, set) in &maps {
-        if let Some(body) = set.shard_definition(*fam) {
-            pre.add_map(*fam, *set, &body);
+        if let Some(ty) = set.shard_definition(*fam) {
+            pre.add_set(*fam, &set.to_string(), ty);
         }
     }
     for (fam, chain) in &chains {

@@ -4,8 +4,12 @@
 //! to be eligible (its Node exists, is not being deleted, and is not tainted
 //! `ToBeDeletedByClusterAutoscaler`), `/livez` does not.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
+
+use crate::locks::lock;
 
 /// Taint the cluster autoscaler puts on nodes it is about to delete.
 pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
@@ -41,13 +45,9 @@ impl ProxyHealth {
         ProxyHealth { inner: Mutex::new(Inner { oldest_pending: None, last_updated: None, node_eligible: false }), timeout }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// A change was queued for sync.
     pub fn queued_update(&self) {
-        let mut i = self.lock();
+        let mut i = lock(&self.inner);
         if i.oldest_pending.is_none() {
             i.oldest_pending = Some(Instant::now());
         }
@@ -55,23 +55,29 @@ impl ProxyHealth {
 
     /// A sync programmed everything queued before it started.
     pub fn updated(&self) {
-        let mut i = self.lock();
+        let mut i = lock(&self.inner);
         i.oldest_pending = None;
         i.last_updated = Some(SystemTime::now());
     }
 
     pub fn set_node_eligible(&self, eligible: bool) {
-        self.lock().node_eligible = eligible;
+        lock(&self.inner).node_eligible = eligible;
     }
 
-    fn healthy(&self, i: &Inner, now: Instant) -> bool {
+    fn healthy_at(&self, i: &Inner, now: Instant) -> bool {
         i.oldest_pending.is_none_or(|t| now.duration_since(t) < self.timeout)
+    }
+
+    /// Whether the proxy is healthy (the `/livez` condition): no change has waited longer
+    /// than the timeout.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy_at(&lock(&self.inner), Instant::now())
     }
 
     /// The `/healthz` (`check_node = true`) or `/livez` answer.
     pub fn answer(&self, check_node: bool) -> HealthAnswer {
-        let i = self.lock();
-        let healthy = self.healthy(&i, Instant::now());
+        let i = lock(&self.inner);
+        let healthy = self.healthy_at(&i, Instant::now());
         let now = SystemTime::now();
         let ok = healthy && (!check_node || i.node_eligible);
         // kube-proxy reports "now" as lastUpdated while healthy.
@@ -100,6 +106,7 @@ mod tests {
         h.queued_update();
         assert_eq!(h.answer(true).code, 503, "a change older than the timeout");
         assert_eq!(h.answer(false).code, 503);
+        assert!(!h.is_healthy(), "is_healthy is the /livez condition");
         h.updated();
         assert_eq!(h.answer(true).code, 200);
     }

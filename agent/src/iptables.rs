@@ -7,6 +7,8 @@
 //! `ip6tables-restore`); a partial sync rewrites the top-level chains and only the chains
 //! of Services that changed (kube-proxy's MinimizeIPTablesRestore).
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::net::IpAddr;

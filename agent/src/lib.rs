@@ -12,6 +12,7 @@ pub mod fuzzing;
 pub mod healthz;
 pub mod http;
 pub mod iptables;
+pub mod locks;
 pub mod metrics;
 pub mod model;
 pub mod netns;

@@ -1,6 +1,8 @@
 //! Prometheus metrics, named like kube-proxy's (`kubeproxy_sync_proxy_rules_…`) under the
 //! prefix `clusterip_agent_`.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::EncodeLabelSet;

@@ -223,6 +223,24 @@ fn wait_until(child: &mut Child, deadline: Instant) -> std::io::Result<Option<Ex
     }
 }
 
+/// Run `f` on a short-lived thread that entered the network namespace of `netns` (setns
+/// changes only the calling thread): for sockets that must be made in that namespace (they
+/// stay in it whatever thread uses them later). Err when the namespace cannot be entered.
+pub fn on_thread_in<T: Send>(netns: &File, f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
+    let fd = netns.as_raw_fd();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            // SAFETY: plain syscall on a valid descriptor; affects this thread only.
+            if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("network namespace thread panicked")))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,18 +1,21 @@
 //! What a dataplane (nftables, iptables) offers the sync loop.
 
+#![forbid(unsafe_code)]
+
 use crate::model::state::DesiredPort;
 use crate::model::NamespacedName;
 use crate::netns::ExecError;
 
-/// Errors of a dataplane.
+/// Errors of a dataplane. A dataplane's own failures (nftables: endpoint slots exhausted, a
+/// netlink batch refused) come as [`DataplaneError::Dataplane`]: the sync loop only logs
+/// and retries them, so this trait names no implementation's error types (each
+/// implementation converts its own, `From` next to them).
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
     #[error(transparent)]
     Exec(#[from] ExecError),
     #[error(transparent)]
-    Slots(#[from] crate::nftables::slots::SlotsExhausted),
-    #[error(transparent)]
-    Netlink(#[from] crate::nftables::netlink::NetlinkError),
+    Dataplane(Box<dyn std::error::Error + Send + Sync>),
     #[error("cannot read the programmed rules: {0}")]
     Listing(String),
 }

@@ -7,31 +7,46 @@
 //! `FailedToStartServiceHealthcheck` on the Service (kube-proxy's reason and wording), once
 //! per failing port.
 
-use std::collections::HashMap;
+#![forbid(unsafe_code)]
 
-use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tokio::task::{AbortHandle, JoinSet};
+
+use crate::healthz::ProxyHealth;
 use crate::http::{serve_listener, Handler, Response};
 use crate::model::NamespacedName;
-use crate::sync::Shared;
+
+/// The one question the servers ask of the proxy (kube-proxy's `proxyHealthChecker`):
+/// whether it is healthy (programs its changes in time).
+pub trait ProxyHealthChecker: Send + Sync {
+    fn healthy(&self) -> bool;
+}
+
+impl ProxyHealthChecker for ProxyHealth {
+    fn healthy(&self) -> bool {
+        self.is_healthy()
+    }
+}
 
 struct Server {
     port: u16,
     local: Arc<AtomicUsize>,
-    task: tokio::task::JoinHandle<()>,
+    task: AbortHandle,
 }
 
-/// The running health-check servers.
+/// The running health-check servers (their tasks end when this is dropped).
 pub struct ServiceHealthServers {
     netns: Option<Arc<File>>,
     handle: tokio::runtime::Handle,
-    shared: std::sync::Weak<Shared>,
+    proxy: Arc<dyn ProxyHealthChecker>,
     servers: HashMap<NamespacedName, Server>,
+    tasks: JoinSet<()>,
     /// Where failures are reported as Events (None: logs only).
     recorder: Option<Recorder>,
     /// Services whose port could not be opened (the port), reported once until it changes
@@ -50,27 +65,14 @@ fn bind(netns: Option<&Arc<File>>, port: u16) -> std::io::Result<std::net::TcpLi
     };
     match netns {
         None => open(),
-        Some(f) => {
-            let fd = f.as_raw_fd();
-            std::thread::scope(|s| {
-                s.spawn(move || {
-                    // SAFETY: setns on this short-lived thread only; the socket made here stays
-                    // in that namespace.
-                    if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    open()
-                })
-                .join()
-                .map_err(|_| std::io::Error::other("bind thread panicked"))?
-            })
-        }
+        Some(f) => crate::netns::on_thread_in(f, open)?,
     }
 }
 
 impl ServiceHealthServers {
-    pub fn new(netns: Option<Arc<File>>, handle: tokio::runtime::Handle, shared: &Arc<Shared>) -> Self {
-        ServiceHealthServers { netns, handle, shared: Arc::downgrade(shared), servers: HashMap::new(), recorder: None, failed: HashMap::new() }
+    /// Servers in `netns` (None: the agent's own), run on `handle`, reporting `proxy`'s health.
+    pub fn new(netns: Option<Arc<File>>, handle: tokio::runtime::Handle, proxy: Arc<dyn ProxyHealthChecker>) -> Self {
+        ServiceHealthServers { netns, handle, proxy, servers: HashMap::new(), tasks: JoinSet::new(), recorder: None, failed: HashMap::new() }
     }
 
     /// Report failures as Events on the Services, as component `clusterip-agent` on `node`.
@@ -112,6 +114,8 @@ impl ServiceHealthServers {
 
     /// Bring the servers to `wanted` (Service → (port, local ready endpoints)).
     pub fn sync(&mut self, wanted: &HashMap<NamespacedName, (u16, usize)>) {
+        // Reap the tasks aborted earlier.
+        while self.tasks.try_join_next().is_some() {}
         self.failed.retain(|nsn, port| wanted.get(nsn).is_some_and(|(p, _)| p == port));
         self.servers.retain(|nsn, s| {
             let keep = wanted.get(nsn).is_some_and(|(p, _)| *p == s.port);
@@ -146,10 +150,10 @@ impl ServiceHealthServers {
             self.failed.remove(nsn);
             let _guard = self.handle.enter();
             let count = Arc::new(AtomicUsize::new(*local));
-            let (c, shared, name) = (count.clone(), self.shared.clone(), nsn.clone());
+            let (c, proxy, name) = (count.clone(), self.proxy.clone(), nsn.clone());
             let handler: Handler = Arc::new(move |_path| {
                 let n = c.load(Ordering::Relaxed);
-                let healthy = shared.upgrade().is_some_and(|s| s.health.answer(false).code == 200);
+                let healthy = proxy.healthy();
                 let body = serde_json::json!({
                     "service": {"namespace": name.namespace, "name": name.name},
                     "localEndpoints": n,
@@ -159,17 +163,9 @@ impl ServiceHealthServers {
                 r.headers.push(("X-Load-Balancing-Endpoint-Weight", n.to_string()));
                 r
             });
-            let task = serve_listener(listener, handler);
+            let task = self.tasks.spawn_on(serve_listener(listener, handler), &self.handle);
             tracing::info!(service = %nsn, port, "service health check listening");
             self.servers.insert(nsn.clone(), Server { port: *port, local: count, task });
-        }
-    }
-}
-
-impl Drop for ServiceHealthServers {
-    fn drop(&mut self) {
-        for s in self.servers.values() {
-            s.task.abort();
         }
     }
 }

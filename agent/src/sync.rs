@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::conntrack::ConntrackCleaner;
 use crate::healthz::ProxyHealth;
+use crate::locks;
 use crate::metrics::{KindLabel, Metrics};
 use crate::model::state::ProxyState;
 use crate::netns::Executor;
@@ -41,7 +42,8 @@ pub struct Control {
 pub struct Shared {
     control: Mutex<Control>,
     wake: Condvar,
-    pub health: ProxyHealth,
+    /// Shared with the service health-check servers, which ask whether it is healthy.
+    pub health: Arc<ProxyHealth>,
     pub metrics: Metrics,
 }
 
@@ -50,13 +52,13 @@ impl Shared {
         Arc::new(Shared {
             control: Mutex::new(Control { state, services_synced: false, slices_synced: false, shutdown: false, syncs: 0 }),
             wake: Condvar::new(),
-            health,
+            health: Arc::new(health),
             metrics,
         })
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Control> {
-        self.control.lock().unwrap_or_else(|p| p.into_inner())
+        locks::lock(&self.control)
     }
 
     /// Run `f` on the control block; if it reports a change, queue a sync.
@@ -125,7 +127,7 @@ pub fn run(
                 wake_at = Some(earliest);
             }
             let wait = wake_at.map_or(Duration::from_secs(3600), |w| w.saturating_duration_since(now)).max(Duration::from_millis(1));
-            c = shared.wake.wait_timeout(c, wait).unwrap_or_else(|p| p.into_inner()).0;
+            c = locks::wait_timeout(&shared.wake, c, wait);
         };
         drop(c);
 
@@ -276,13 +278,13 @@ mod tests {
 
     impl Gate {
         fn set(&self, closed: bool) {
-            *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = closed;
+            *locks::lock(&self.closed) = closed;
             self.cv.notify_all();
         }
         fn pass(&self) {
-            let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+            let mut closed = locks::lock(&self.closed);
             while *closed {
-                closed = self.cv.wait(closed).unwrap_or_else(|p| p.into_inner());
+                closed = locks::wait(&self.cv, closed);
             }
         }
     }
@@ -291,12 +293,12 @@ mod tests {
         fn sync(&mut self, batch: &SyncBatch) -> Result<SyncReport, DataplaneError> {
             let start = Instant::now();
             let i = {
-                let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+                let mut calls = locks::lock(&self.calls);
                 calls.push(Call { full: batch.full, services: batch.services.len(), start, end: start });
                 calls.len() - 1
             };
             self.gate.pass();
-            self.calls.lock().unwrap_or_else(|p| p.into_inner())[i].end = Instant::now();
+            locks::lock(&self.calls)[i].end = Instant::now();
             if self.fail_first.load(Ordering::SeqCst) > 0 {
                 self.fail_first.fetch_sub(1, Ordering::SeqCst);
                 return Err(DataplaneError::Listing("injected failure".into()));
@@ -331,14 +333,14 @@ mod tests {
 
     impl Loop {
         fn calls(&self) -> Vec<Call> {
-            self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+            locks::lock(&self.calls).clone()
         }
         /// Stop the loop; the calls it made.
         fn stop(self) -> Vec<Call> {
             self.gate.set(false);
             self.shared.shutdown();
             let _ = self.thread.join();
-            self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+            locks::lock(&self.calls).clone()
         }
     }
 

@@ -1,6 +1,8 @@
 //! Watches of Services, EndpointSlices and this node's Node (kube-runtime watchers),
 //! folded into the shared [`ProxyState`](crate::model::state::ProxyState).
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use futures::StreamExt;

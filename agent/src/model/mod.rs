@@ -5,6 +5,8 @@
 //! endpoints a node uses for a Service port (kube-proxy's `CategorizeEndpoints`), and
 //! [`state`] keeps the current objects and says which Services changed since the last sync.
 
+#![forbid(unsafe_code)]
+
 pub mod endpointslice;
 pub mod service;
 pub mod state;

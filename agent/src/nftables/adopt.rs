@@ -8,9 +8,11 @@
 //! Only names are read (`nft -j list chains`, `nft -t -j list sets|maps`: no rules, no
 //! elements), which stays cheap at 10k Services.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeSet;
 
-use super::render::{Family, SetName, TABLE};
+use super::ops::{Family, SetName, TABLE};
 use crate::model::{IpFamily, Protocol};
 use crate::netns::Executor;
 use crate::proxier::DataplaneError;
@@ -41,14 +43,6 @@ impl Existing {
     /// Nothing there: a cold start, nothing that could black out.
     pub fn is_empty(&self) -> bool {
         self.chains.is_empty() && self.sets.is_empty() && self.maps.is_empty()
-    }
-
-    /// Every chain, set and map of the table, for flushing.
-    pub fn objects(&self) -> impl Iterator<Item = (&'static str, &String)> {
-        let c = self.chains.iter().map(|n| ("chain", n));
-        let s = self.sets.iter().map(|n| ("set", n));
-        let m = self.maps.iter().map(|n| ("map", n));
-        c.chain(s).chain(m)
     }
 
     /// The shard maps among the maps (`endpoint-dnat-<proto>-<k>`, `endpoint-chains-<k>`).

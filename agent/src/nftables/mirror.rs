@@ -2,10 +2,13 @@
 //! shared map/set element, chains waiting for deletion. Diffs against it produce the
 //! operations of a sync; the table is never listed for that.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::adopt::Existing;
-use super::render::{render_port, skeleton_rules, Fragment, RenderOptions, SetName, BASE_CHAINS, SHARED_SETS, SKELETON_CHAINS};
+use super::ops::{Key, SetKind, SetName, Value};
+use super::render::{render_port, skeleton_rules, Fragment, RenderOptions, BASE_CHAINS, SHARED_SETS, SKELETON_CHAINS};
 use super::slots::{SlotAllocator, SlotsExhausted};
 use super::transaction::Transaction;
 use crate::model::state::DesiredPort;
@@ -19,7 +22,7 @@ struct Entry {
 
 /// Owners of one shared element, first one wins (two Services claiming the same
 /// VIP:port is a user error; the first keeps it, the next takes over when it goes).
-type Owners = Vec<(u32, Option<String>)>;
+type Owners = Vec<(u32, Option<Value>)>;
 
 /// Mirror of `<family> clusterip`.
 #[derive(Debug)]
@@ -28,7 +31,7 @@ pub struct FamilyMirror {
     fragments: HashMap<ServicePortName, Entry>,
     by_service: HashMap<NamespacedName, Vec<ServicePortName>>,
     next_id: u32,
-    elements: HashMap<(SetName, String), Owners>,
+    elements: HashMap<(SetName, Key), Owners>,
     stale_chains: BTreeSet<String>,
     slots: SlotAllocator,
     /// Shard maps created so far (never deleted: there are few of them).
@@ -80,10 +83,10 @@ impl FamilyMirror {
         }
         let stale: Vec<String> = existing.chains.iter().filter(|c| !wanted_chains.contains(c.as_str())).cloned().collect();
         for s in existing.sets.iter().filter(|s| !wanted_sets.contains(*s)) {
-            tx.delete_set(self.family, s);
+            tx.delete_set(self.family, SetKind::Set, s);
         }
         for m in existing.maps.iter().filter(|m| !wanted_sets.contains(*m)) {
-            tx.delete_map(self.family, m);
+            tx.delete_set(self.family, SetKind::Map, m);
         }
         self.stale_chains.extend(stale);
     }
@@ -140,7 +143,7 @@ impl FamilyMirror {
         Ok(())
     }
 
-    fn effective(&self, key: &(SetName, String)) -> Option<Option<String>> {
+    fn effective(&self, key: &(SetName, Key)) -> Option<Option<Value>> {
         self.elements.get(key).and_then(|o| o.first()).map(|(_, v)| v.clone())
     }
 
@@ -163,15 +166,15 @@ impl FamilyMirror {
         self.fragment_chains = self.fragment_chains + new.chains.len() - old.chains.len();
         self.fragment_rules = self.fragment_rules + rule_count(&new) - rule_count(&old);
         for e in &new.elements {
-            if let Some(body) = e.set.shard_definition(fam) {
+            if let Some(ty) = e.set.shard_definition(fam) {
                 if self.shard_maps.insert(e.set) {
-                    tx.add_map(fam, e.set, &body);
+                    tx.add_set(fam, &e.set.to_string(), ty);
                 }
             }
         }
-        for (set, body) in &new.sets {
-            if old.sets.get(set) != Some(body) {
-                tx.add_set(fam, set, body);
+        for (set, ty) in &new.sets {
+            if old.sets.get(set) != Some(ty) {
+                tx.add_set(fam, set, *ty);
             }
         }
         for (chain, rules) in &new.chains {
@@ -184,7 +187,7 @@ impl FamilyMirror {
                 Some(_) => continue,
             }
             for r in rules {
-                tx.add_rule(fam, chain, r);
+                tx.add_rule(fam, chain, r.clone());
             }
         }
         for chain in old.chains.keys().filter(|c| !new.chains.contains_key(*c)) {
@@ -194,9 +197,8 @@ impl FamilyMirror {
             self.stale_chains.insert(chain.clone());
         }
         // Shared elements, through their owners.
-        let touched: BTreeSet<(SetName, String)> =
-            old.elements.iter().chain(&new.elements).map(|e| (e.set, e.key.clone())).collect();
-        let before: Vec<Option<Option<String>>> = touched.iter().map(|k| self.effective(k)).collect();
+        let touched: BTreeSet<(SetName, Key)> = old.elements.iter().chain(&new.elements).map(|e| (e.set, e.key.clone())).collect();
+        let before: Vec<Option<Option<Value>>> = touched.iter().map(|k| self.effective(k)).collect();
         for e in &old.elements {
             let k = (e.set, e.key.clone());
             if let Some(owners) = self.elements.get_mut(&k) {
@@ -209,20 +211,20 @@ impl FamilyMirror {
         for e in &new.elements {
             self.elements.entry((e.set, e.key.clone())).or_default().push((id, e.value.clone()));
         }
-        for (k, b) in touched.iter().zip(before) {
-            let after = self.effective(k);
+        for ((set, key), b) in touched.into_iter().zip(before) {
+            let after = self.effective(&(set, key.clone()));
             if after == b {
                 continue;
             }
             if b.is_some() {
-                tx.delete_element(fam, k.0, &k.1);
+                tx.delete_element(fam, set, key.clone());
             }
             if let Some(v) = after {
-                tx.add_element(fam, k.0, &k.1, v.as_deref());
+                tx.add_element(fam, set, key, v);
             }
         }
         for set in old.sets.keys().filter(|s| !new.sets.contains_key(*s)) {
-            tx.delete_set(fam, set);
+            tx.delete_set(fam, SetKind::Set, set);
         }
         for (chain, r) in &old.slots {
             if new.slots.get(chain) != Some(r) {

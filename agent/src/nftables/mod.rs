@@ -10,21 +10,41 @@
 //! [`adopt`].
 
 pub mod adopt;
+pub mod fake;
 pub mod mirror;
 pub mod netlink;
+pub mod ops;
 pub mod render;
 pub mod slots;
+#[cfg(test)]
+mod sync_tests;
 pub mod transaction;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use crate::model::IpFamily;
 use crate::netns::{ExecError, Executor};
 use crate::proxier::{DataplaneError, Proxier, SyncBatch, SyncReport};
+use crate::locks::lock;
 use adopt::Existing;
+use fake::FakeKernel;
 use mirror::FamilyMirror;
-use render::{RenderOptions, TABLE};
+use ops::{Family, TABLE};
+use render::RenderOptions;
 use transaction::Transaction;
+
+impl From<slots::SlotsExhausted> for DataplaneError {
+    fn from(e: slots::SlotsExhausted) -> Self {
+        DataplaneError::Dataplane(Box::new(e))
+    }
+}
+
+impl From<netlink::NetlinkError> for DataplaneError {
+    fn from(e: netlink::NetlinkError) -> Self {
+        DataplaneError::Dataplane(Box::new(e))
+    }
+}
 
 /// Default bound on the operations of one transaction.
 pub const DEFAULT_MAX_OPS: usize = 50_000;
@@ -55,6 +75,9 @@ pub struct NftablesProxier {
     socket: Option<netlink::Socket>,
     /// Transactions of the current sync sent as netlink batches.
     netlink_count: usize,
+    /// Unit tests: transactions go to this fake kernel instead (each counted as a netlink
+    /// batch when the encoder takes it, as it would be sent).
+    fake: Option<Arc<Mutex<FakeKernel>>>,
 }
 
 impl NftablesProxier {
@@ -70,7 +93,14 @@ impl NftablesProxier {
             use_netlink: std::env::var("CLUSTERIP_AGENT_NFT_ONLY").map_or(true, |v| v != "1"),
             socket: None,
             netlink_count: 0,
+            fake: None,
         }
+    }
+
+    /// A dataplane programming `kernel`, a [`FakeKernel`] (unit tests of the sync logic:
+    /// no root, no namespace, no `nft`).
+    pub fn with_fake(kernel: Arc<Mutex<FakeKernel>>, opts: RenderOptions, max_ops: usize) -> Self {
+        NftablesProxier { fake: Some(kernel), ..Self::new(Executor::host(), opts, max_ops) }
     }
 
     /// Whether encodable transactions are written as netlink batches (default: yes,
@@ -83,6 +113,12 @@ impl NftablesProxier {
     /// Apply one transaction: as an nfnetlink batch of our own when [`netlink`] can encode
     /// all of it, else with `nft -f -`.
     fn apply(&mut self, tx: &Transaction) -> Result<(), DataplaneError> {
+        if let Some(kernel) = &self.fake {
+            if self.use_netlink && self.netlink_batch(tx).is_some() {
+                self.netlink_count += 1;
+            }
+            return lock(kernel).apply(tx).map_err(|e| DataplaneError::Dataplane(Box::new(e)));
+        }
         if let Ok(path) = std::env::var("CLUSTERIP_AGENT_DUMP_NFT") {
             let _ = std::fs::write(path, tx.text());
         }
@@ -178,7 +214,10 @@ impl NftablesProxier {
                 atomic = true;
                 continue;
             }
-            let existing = Existing::read(&self.exec, m.family)?;
+            let existing = match &self.fake {
+                Some(kernel) => lock(kernel).existing(m.family),
+                None => Existing::read(&self.exec, m.family)?,
+            };
             tracing::info!(family = ?m.family, chains = existing.chains.len(), maps = existing.maps.len(), sets = existing.sets.len(), "adopting the table in the kernel");
             atomic |= !existing.is_empty();
             tx.adopt_family(m.family, &existing);
@@ -236,7 +275,7 @@ impl NftablesProxier {
             transactions += 1;
             operations += tx.ops();
         }
-        if self.use_netlink {
+        if self.use_netlink && self.fake.is_none() {
             // Open it now, outside the next partial sync's time (it may be the first batch).
             self.ensure_socket();
         }
@@ -269,8 +308,16 @@ impl Proxier for NftablesProxier {
         }
         let mut diffs = Vec::new();
         for m in &self.mirrors {
-            let fam = render::Family(m.family).nft();
-            match self.exec.run("nft", &["-j", "list", "table", fam, TABLE], None) {
+            let fam = Family(m.family).nft();
+            let listing = match &self.fake {
+                Some(kernel) => lock(kernel).listing(m.family).ok_or_else(|| ExecError::Failed {
+                    program: "nft".into(),
+                    status: "exit status: 1".into(),
+                    stderr: "Error: No such file or directory".into(),
+                }),
+                None => self.exec.run("nft", &["-j", "list", "table", fam, TABLE], None),
+            };
+            match listing {
                 Ok(json) => diffs.extend(m.compare_listing(&json).map_err(DataplaneError::Listing)?),
                 Err(ExecError::Failed { stderr, .. }) => diffs.push(format!("table {fam} {TABLE} cannot be listed: {}", stderr.trim())),
                 Err(e) => return Err(e.into()),
@@ -283,13 +330,16 @@ impl Proxier for NftablesProxier {
     }
 
     fn cleanup(&mut self) -> Result<(), DataplaneError> {
-        let mut text = String::new();
+        let mut tx = Transaction::new();
         for fam in IpFamily::ALL {
-            let f = render::Family(fam).nft();
-            // `add` first so that `delete` cannot fail on a missing table.
-            text.push_str(&format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n"));
+            tx.delete_family(fam);
         }
-        self.exec.run("nft", &["-f", "-"], Some(text.as_bytes()))?;
+        match &self.fake {
+            Some(kernel) => lock(kernel).apply(&tx).map_err(|e| DataplaneError::Dataplane(Box::new(e)))?,
+            None => {
+                self.exec.run("nft", &["-f", "-"], Some(tx.text().as_bytes()))?;
+            }
+        }
         for m in &mut self.mirrors {
             m.reset();
         }

@@ -10,21 +10,23 @@
 //! grace period). A batch of our own needs neither: no cache (the mirror knows the table),
 //! and the socket stays open. Measured on a 10k-Service table: see docs/agent.md.
 //!
-//! Encoded here: element operations on the maps and sets whose types are fixed by
-//! [`super::render`], `add`/`flush`/`delete chain`, and the rules of a plain Service port
-//! chain (`meta l4proto P dnat to numgen random mod N offset B map @M`,
+//! The input is the transaction's typed operations ([`super::ops`]): nothing is parsed
+//! from text. Encoded here: element operations on the maps and sets whose types are fixed
+//! by [`super::render`], `add`/`flush`/`delete chain`, and the rules of a plain Service
+//! port chain (`meta l4proto P dnat to numgen random mod N offset B map @M`,
 //! `meta l4proto P dnat to ADDR:PORT`, `jump C`, `goto C`) — so an endpoint change, a change
 //! of endpoint count, and a Service added or removed without affinity or masquerade rules
 //! need no `nft`. A transaction with anything else (tables, maps, sets, other rules) goes
 //! through `nft -f` as a whole: a sync stays one atomic transaction either way. The kernel
-//! test `element_only_changes_are_netlink_batches_equal_to_what_nft_writes` checks the
+//! test `netlink_batches_program_what_nft_would` (agent/tests/nftables_apply.rs) checks the
 //! result against what `nft` writes for the same changes.
 
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use super::render::{SetName, FIREWALL_IPS, HAIRPIN, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS, TABLE};
-use crate::model::IpFamily;
+use super::ops::{Expr, Key, Op, Rule, SetName, Value, Verdict, TABLE};
+use super::render::{FIREWALL_IPS, HAIRPIN, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS};
+use crate::model::{IpFamily, Protocol};
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFT_MSG_NEWCHAIN: u16 = 3;
@@ -102,7 +104,8 @@ const NFT_RETURN: i32 = -5;
 const ELEMENTS_PER_MESSAGE: usize = 256;
 const ELEMENT_LIST_BYTES: usize = 32 << 10;
 
-/// An element operation that cannot be encoded (unknown map, unparsable text).
+/// An operation that cannot be encoded (not a chain, rule or element operation; a rule
+/// shape or map not encoded here; a name nft would read differently).
 #[derive(Debug, thiserror::Error)]
 #[error("cannot encode {key:?} of {set}: {why}")]
 pub struct Unencodable {
@@ -126,88 +129,97 @@ pub enum NetlinkError {
     MissingAcks { got: usize, want: usize },
 }
 
-/// One field of a key or value, as typed in [`super::render`].
+/// What a map or set holds, as typed in [`super::render`].
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Field {
-    Addr,
-    Proto,
-    Port,
-    /// `numgen random mod …` result: a 32-bit integer in host byte order.
-    HostU32,
+enum Holds {
+    /// `ADDR . PROTO . PORT : verdict`
+    AddrProtoPortVerdict,
+    /// `PROTO . PORT : verdict`
+    ProtoPortVerdict,
+    /// `ADDR . ADDR`
+    AddrPair,
+    /// slot `: ADDR . PORT`
+    SlotAddrPort,
+    /// slot `: verdict`
+    SlotVerdict,
 }
 
-/// Key fields of a map or set and whether its values are verdicts (else `value` fields).
-struct SetType {
-    key: &'static [Field],
-    verdict: bool,
-    value: &'static [Field],
-}
-
-fn set_type(set: SetName) -> Option<SetType> {
-    use Field::*;
+fn holds(set: SetName) -> Option<Holds> {
     Some(match set {
-        SetName::Named(SERVICE_IPS | NO_ENDPOINT_SERVICES | FIREWALL_IPS) => SetType { key: &[Addr, Proto, Port], verdict: true, value: &[] },
-        SetName::Named(SERVICE_NODEPORTS | NO_ENDPOINT_NODEPORTS) => SetType { key: &[Proto, Port], verdict: true, value: &[] },
-        SetName::Named(HAIRPIN) => SetType { key: &[Addr, Addr], verdict: false, value: &[] },
+        SetName::Named(SERVICE_IPS | NO_ENDPOINT_SERVICES | FIREWALL_IPS) => Holds::AddrProtoPortVerdict,
+        SetName::Named(SERVICE_NODEPORTS | NO_ENDPOINT_NODEPORTS) => Holds::ProtoPortVerdict,
+        SetName::Named(HAIRPIN) => Holds::AddrPair,
         SetName::Named(_) => return None,
-        SetName::EndpointDnat(..) => SetType { key: &[HostU32], verdict: false, value: &[Addr, Port] },
-        SetName::EndpointChains(_) => SetType { key: &[HostU32], verdict: true, value: &[] },
+        SetName::EndpointDnat(..) => Holds::SlotAddrPort,
+        SetName::EndpointChains(_) => Holds::SlotVerdict,
     })
 }
 
-/// Encode `a . b . c` with each field padded to 4 bytes (nft's register layout for
-/// concatenations; a single field is its own size rounded up the same way).
-fn encode_fields(fields: &[Field], text: &str, family: IpFamily) -> Result<Vec<u8>, &'static str> {
-    let parts: Vec<&str> = text.split(" . ").map(str::trim).collect();
-    if parts.len() != fields.len() {
-        return Err("wrong number of fields");
+fn proto_number(p: Protocol) -> u8 {
+    match p {
+        Protocol::Tcp => 6,
+        Protocol::Udp => 17,
+        Protocol::Sctp => 132,
     }
-    let mut out = Vec::with_capacity(fields.len() * 16);
-    for (f, p) in fields.iter().zip(parts) {
-        match f {
-            Field::Addr => match p.parse::<IpAddr>().map_err(|_| "bad address")? {
-                IpAddr::V4(a) if family == IpFamily::V4 => out.extend_from_slice(&a.octets()),
-                IpAddr::V6(a) if family == IpFamily::V6 => out.extend_from_slice(&a.octets()),
-                _ => return Err("address of the other family"),
-            },
-            Field::Proto => {
-                let n: u8 = match p {
-                    "tcp" => 6,
-                    "udp" => 17,
-                    "sctp" => 132,
-                    _ => return Err("unknown protocol"),
-                };
-                out.extend_from_slice(&[n, 0, 0, 0]);
-            }
-            Field::Port => {
-                let n: u16 = p.parse().map_err(|_| "bad port")?;
-                out.extend_from_slice(&n.to_be_bytes());
-                out.extend_from_slice(&[0, 0]);
-            }
-            Field::HostU32 => {
-                let n: u32 = p.parse().map_err(|_| "bad integer")?;
-                out.extend_from_slice(&n.to_ne_bytes());
-            }
+}
+
+// Fields of a key or value, each padded to 4 bytes (nft's register layout for
+// concatenations; a single field is its own size rounded up the same way).
+fn put_addr(out: &mut Vec<u8>, a: &IpAddr, family: IpFamily) -> Result<(), &'static str> {
+    match a {
+        IpAddr::V4(a) if family == IpFamily::V4 => out.extend_from_slice(&a.octets()),
+        IpAddr::V6(a) if family == IpFamily::V6 => out.extend_from_slice(&a.octets()),
+        _ => return Err("address of the other family"),
+    }
+    Ok(())
+}
+
+fn put_proto(out: &mut Vec<u8>, p: Protocol) {
+    out.extend_from_slice(&[proto_number(p), 0, 0, 0]);
+}
+
+fn put_port(out: &mut Vec<u8>, n: u16) {
+    out.extend_from_slice(&n.to_be_bytes());
+    out.extend_from_slice(&[0, 0]);
+}
+
+/// A key as the map of type `holds` stores it.
+fn encode_key(holds: Holds, key: &Key, family: IpFamily) -> Result<Vec<u8>, &'static str> {
+    let mut out = Vec::with_capacity(40);
+    match (holds, key) {
+        (Holds::AddrProtoPortVerdict, Key::AddrProtoPort(a, p, n)) => {
+            put_addr(&mut out, a, family)?;
+            put_proto(&mut out, *p);
+            put_port(&mut out, *n);
         }
+        (Holds::ProtoPortVerdict, Key::ProtoPort(p, n)) => {
+            put_proto(&mut out, *p);
+            put_port(&mut out, *n);
+        }
+        (Holds::AddrPair, Key::AddrPair(a, b)) => {
+            put_addr(&mut out, a, family)?;
+            put_addr(&mut out, b, family)?;
+        }
+        // `numgen random mod …` result: a 32-bit integer in host byte order.
+        (Holds::SlotAddrPort | Holds::SlotVerdict, Key::Slot(n)) => out.extend_from_slice(&n.to_ne_bytes()),
+        _ => return Err("key does not match the map type"),
     }
     Ok(out)
 }
 
 /// A verdict as the kernel's (code, chain).
-fn parse_verdict(text: &str) -> Result<(i32, Option<&str>), &'static str> {
-    let mut it = text.split_whitespace();
-    let v = match (it.next(), it.next()) {
-        (Some("drop"), None) => (NF_DROP, None),
-        (Some("accept"), None) => (NF_ACCEPT, None),
-        (Some("return"), None) => (NFT_RETURN, None),
-        (Some("goto"), Some(c)) => (NFT_GOTO, Some(c)),
-        (Some("jump"), Some(c)) => (NFT_JUMP, Some(c)),
-        _ => return Err("unknown verdict"),
+fn verdict_code(v: &Verdict) -> Result<(i32, Option<&str>), &'static str> {
+    let (code, chain) = match v {
+        Verdict::Drop => (NF_DROP, None),
+        Verdict::Accept => (NF_ACCEPT, None),
+        Verdict::Return => (NFT_RETURN, None),
+        Verdict::Goto(c) => (NFT_GOTO, Some(c.as_str())),
+        Verdict::Jump(c) => (NFT_JUMP, Some(c.as_str())),
     };
-    if it.next().is_some() || v.1.is_some_and(|c| !nft_identifier(c)) {
-        return Err("unknown verdict");
+    if chain.is_some_and(|c| !nft_identifier(c)) {
+        return Err("not a chain name nft reads as one");
     }
-    Ok(v)
+    Ok((code, chain))
 }
 
 /// Whether nft reads `s` as one identifier (a chain or map name) the way the encoder would
@@ -288,63 +300,25 @@ impl Buf {
     }
 }
 
-/// One element operation of a batch.
-#[derive(Debug, Clone)]
-pub struct ElementOp<'a> {
-    pub family: IpFamily,
-    pub set: SetName,
-    pub key: &'a str,
-    /// For an add to a map: the value (`goto chain`, `198.18.2.1 . 8080`).
-    pub value: Option<&'a str>,
-    pub delete: bool,
-}
-
-/// One operation of a batch.
-#[derive(Debug, Clone)]
-pub enum Op<'a> {
-    Element(ElementOp<'a>),
-    AddChain { family: IpFamily, chain: &'a str },
-    FlushChain { family: IpFamily, chain: &'a str },
-    DeleteChain { family: IpFamily, chain: &'a str },
-    /// A rule as [`super::render`] writes it (only some shapes can be encoded).
-    AddRule { family: IpFamily, chain: &'a str, rule: &'a str },
-}
-
 /// The rule shapes encoded here.
 #[derive(Debug, PartialEq)]
-enum Rule<'a> {
+enum Shape<'a> {
     /// `meta l4proto P dnat to numgen random mod N offset B map @M`
-    DnatMap { proto: u8, modulus: u32, offset: u32, map: &'a str },
+    DnatMap { proto: u8, modulus: u32, offset: u32, map: SetName },
     /// `meta l4proto P dnat to ADDR:PORT` (`[ADDR]:PORT` for IPv6)
     DnatTo { proto: u8, addr: IpAddr, port: u16 },
     /// `jump C` / `goto C`
     Verdict { code: i32, chain: &'a str },
 }
 
-fn proto_number(p: &str) -> Option<u8> {
-    match p {
-        "tcp" => Some(6),
-        "udp" => Some(17),
-        "sctp" => Some(132),
-        _ => None,
-    }
-}
-
-fn parse_rule(rule: &str) -> Option<Rule<'_>> {
-    let w: Vec<&str> = rule.split(' ').collect();
-    match w.as_slice() {
-        ["jump", c] if nft_identifier(c) => Some(Rule::Verdict { code: NFT_JUMP, chain: c }),
-        ["goto", c] if nft_identifier(c) => Some(Rule::Verdict { code: NFT_GOTO, chain: c }),
-        ["meta", "l4proto", p, "dnat", "to", "numgen", "random", "mod", n, "offset", b, "map", m] => Some(Rule::DnatMap {
-            proto: proto_number(p)?,
-            modulus: n.parse().ok().filter(|n| *n > 0)?,
-            offset: b.parse().ok()?,
-            map: m.strip_prefix('@').filter(|m| nft_identifier(m))?,
-        }),
-        ["meta", "l4proto", p, "dnat", "to", target] => {
-            let sa: std::net::SocketAddr = target.parse().ok()?;
-            Some(Rule::DnatTo { proto: proto_number(p)?, addr: sa.ip(), port: sa.port() })
+fn shape(rule: &Rule) -> Option<Shape<'_>> {
+    match rule.0.as_slice() {
+        [Expr::Verdict(Verdict::Jump(c))] if nft_identifier(c) => Some(Shape::Verdict { code: NFT_JUMP, chain: c }),
+        [Expr::Verdict(Verdict::Goto(c))] if nft_identifier(c) => Some(Shape::Verdict { code: NFT_GOTO, chain: c }),
+        [Expr::L4Proto(p), Expr::DnatNumgenMap { modulus, offset, map }] if *modulus > 0 => {
+            Some(Shape::DnatMap { proto: proto_number(*p), modulus: *modulus, offset: *offset, map: *map })
         }
+        [Expr::L4Proto(p), Expr::DnatTo(addr, port)] => Some(Shape::DnatTo { proto: proto_number(*p), addr: *addr, port: *port }),
         _ => None,
     }
 }
@@ -388,19 +362,19 @@ impl Buf {
     }
 
     /// The expressions of a rule, as nft 1.0.6 encodes the same text.
-    fn rule_exprs(&mut self, rule: &Rule<'_>, family: IpFamily) {
+    fn rule_exprs(&mut self, rule: &Shape<'_>, family: IpFamily) {
         let nfproto = match family {
             IpFamily::V4 => libc::NFPROTO_IPV4 as u32,
             IpFamily::V6 => libc::NFPROTO_IPV6 as u32,
         };
         match *rule {
-            Rule::Verdict { code, chain } => self.expr("immediate", |b| {
+            Shape::Verdict { code, chain } => self.expr("immediate", |b| {
                 b.attr(NFTA_IMMEDIATE_DREG, &be32(NFT_REG_VERDICT));
                 b.nest_start(NFTA_IMMEDIATE_DATA);
                 b.verdict(code, Some(chain));
                 b.nest_end();
             }),
-            Rule::DnatMap { proto, modulus, offset, map } => {
+            Shape::DnatMap { proto, modulus, offset, map } => {
                 self.l4proto(proto);
                 self.expr("numgen", |b| {
                     b.attr(NFTA_NG_DREG, &be32(NFT_REG_1));
@@ -409,7 +383,7 @@ impl Buf {
                     b.attr(NFTA_NG_OFFSET, &be32(offset));
                 });
                 self.expr("lookup", |b| {
-                    b.attr_str(NFTA_LOOKUP_SET, map);
+                    b.attr_str(NFTA_LOOKUP_SET, &map.to_string());
                     b.attr(NFTA_LOOKUP_SREG, &be32(NFT_REG_1));
                     b.attr(NFTA_LOOKUP_DREG, &be32(NFT_REG_1));
                 });
@@ -426,7 +400,7 @@ impl Buf {
                     b.attr(NFTA_NAT_REG_PROTO_MIN, &be32(NFT_REG32_00 + addr_words));
                 });
             }
-            Rule::DnatTo { proto, addr, port } => {
+            Shape::DnatTo { proto, addr, port } => {
                 self.l4proto(proto);
                 let octets: Vec<u8> = match addr {
                     IpAddr::V4(a) => a.octets().to_vec(),
@@ -479,9 +453,10 @@ impl Batch {
     }
 }
 
-/// Encode operations as one batch (in order; consecutive element operations of the same
-/// kind on the same set share a message). Fails on anything it cannot encode exactly.
-pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
+/// Encode operations (each with its table's family) as one batch, in order; consecutive
+/// element operations of the same kind on the same set share a message. Fails on anything
+/// it cannot encode exactly.
+pub fn encode(ops: &[(IpFamily, &Op)]) -> Result<Batch, Unencodable> {
     let mut buf = Buf::default();
     let mut seq = 1u32;
     let begin = buf.msg_start(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq, libc::AF_UNSPEC as u8, NFNL_SUBSYS_NFTABLES);
@@ -492,73 +467,94 @@ pub fn encode(ops: &[Op<'_>]) -> Result<Batch, Unencodable> {
     while i < ops.len() {
         seq += 1;
         messages += 1;
-        let first = match &ops[i] {
-            Op::Element(e) => e,
-            Op::AddChain { family, chain } | Op::FlushChain { family, chain } | Op::DeleteChain { family, chain } => {
+        let (family, op) = ops[i];
+        let (set, delete) = match op {
+            Op::AddElement { set, .. } => (*set, false),
+            Op::DeleteElement { set, .. } => (*set, true),
+            Op::AddChain { chain, base: None } | Op::FlushChain(chain) | Op::DeleteChain(chain) => {
                 if !nft_identifier(chain) {
                     return Err(Unencodable { set: chain.to_string(), key: String::new(), why: "not a chain name nft reads as one" });
                 }
-                let (ty, flags, name_attr) = match &ops[i] {
+                let (ty, flags, name_attr) = match op {
                     Op::AddChain { .. } => (NFT_MSG_NEWCHAIN, NLM_F_CREATE, NFTA_CHAIN_NAME),
-                    Op::DeleteChain { .. } => (NFT_MSG_DELCHAIN, 0, NFTA_CHAIN_NAME),
+                    Op::DeleteChain(_) => (NFT_MSG_DELCHAIN, 0, NFTA_CHAIN_NAME),
                     _ => (NFT_MSG_DELRULE, 0, NFTA_RULE_CHAIN),
                 };
-                let m = buf.msg_start(msg_type(ty), NLM_F_REQUEST | NLM_F_ACK | flags, seq, nfproto_family(*family), 0);
+                let m = buf.msg_start(msg_type(ty), NLM_F_REQUEST | NLM_F_ACK | flags, seq, nfproto_family(family), 0);
                 buf.attr_str(NFTA_CHAIN_TABLE, TABLE);
                 buf.attr_str(name_attr, chain);
                 buf.msg_end(m);
                 i += 1;
                 continue;
             }
-            Op::AddRule { family, chain, rule } => {
+            Op::AddRule { chain, rule } => {
+                let bad = |why| Unencodable { set: chain.to_string(), key: rule.to_string(), why };
                 if !nft_identifier(chain) {
-                    return Err(Unencodable { set: chain.to_string(), key: rule.to_string(), why: "not a chain name nft reads as one" });
+                    return Err(bad("not a chain name nft reads as one"));
                 }
-                let parsed = parse_rule(rule).ok_or_else(|| Unencodable { set: chain.to_string(), key: rule.to_string(), why: "rule shape not encoded" })?;
-                let m = buf.msg_start(msg_type(NFT_MSG_NEWRULE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_APPEND, seq, nfproto_family(*family), 0);
+                let shape = shape(rule).ok_or_else(|| bad("rule shape not encoded"))?;
+                let m = buf.msg_start(msg_type(NFT_MSG_NEWRULE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_APPEND, seq, nfproto_family(family), 0);
                 buf.attr_str(NFTA_RULE_TABLE, TABLE);
                 buf.attr_str(NFTA_RULE_CHAIN, chain);
                 buf.nest_start(NFTA_RULE_EXPRESSIONS);
-                buf.rule_exprs(&parsed, *family);
+                buf.rule_exprs(&shape, family);
                 buf.nest_end();
                 buf.msg_end(m);
                 i += 1;
                 continue;
             }
+            other => {
+                let mut text = String::new();
+                other.write_text(family, &mut text);
+                return Err(Unencodable { set: String::new(), key: text.trim_end().to_string(), why: "tables, base chains, maps and sets go through nft" });
+            }
         };
-        let same_message = |o: &Op<'_>| matches!(o, Op::Element(e) if e.family == first.family && e.set == first.set && e.delete == first.delete);
-        let ty = set_type(first.set).ok_or_else(|| Unencodable { set: first.set.to_string(), key: first.key.to_string(), why: "not a known map" })?;
-        let (msg_ty, flags) = if first.delete {
+        let same_message = |(f, o): &(IpFamily, &Op)| {
+            *f == family
+                && match o {
+                    Op::AddElement { set: s, .. } => !delete && *s == set,
+                    Op::DeleteElement { set: s, .. } => delete && *s == set,
+                    _ => false,
+                }
+        };
+        let holds = holds(set).ok_or_else(|| Unencodable { set: set.to_string(), key: String::new(), why: "not a known map" })?;
+        let (msg_ty, flags) = if delete {
             (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK)
         } else {
             (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
         };
-        let m = buf.msg_start(msg_type(msg_ty), flags, seq, nfproto_family(first.family), 0);
+        let m = buf.msg_start(msg_type(msg_ty), flags, seq, nfproto_family(family), 0);
         buf.attr_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
-        buf.attr_str(NFTA_SET_ELEM_LIST_SET, &first.set.to_string());
+        buf.attr_str(NFTA_SET_ELEM_LIST_SET, &set.to_string());
         buf.nest_start(NFTA_SET_ELEM_LIST_ELEMENTS);
         let list_start = buf.b.len();
         let mut j = i;
         while j < ops.len() && j - i < ELEMENTS_PER_MESSAGE && buf.b.len() - list_start < ELEMENT_LIST_BYTES && same_message(&ops[j]) {
-            let Op::Element(op) = &ops[j] else { break };
+            let (key, value) = match ops[j].1 {
+                Op::AddElement { key, value, .. } => (key, value.as_ref()),
+                Op::DeleteElement { key, .. } => (key, None),
+                _ => break,
+            };
             j += 1;
-            let bad = |why| Unencodable { set: op.set.to_string(), key: op.key.to_string(), why };
+            let bad = |why| Unencodable { set: set.to_string(), key: key.to_string(), why };
             buf.nest_start(NFTA_LIST_ELEM);
-            let key = encode_fields(ty.key, op.key, op.family).map_err(bad)?;
+            let k = encode_key(holds, key, family).map_err(bad)?;
             buf.nest_start(NFTA_SET_ELEM_KEY);
-            buf.attr(NFTA_DATA_VALUE, &key);
+            buf.attr(NFTA_DATA_VALUE, &k);
             buf.nest_end();
-            if !op.delete {
-                match (op.value, ty.verdict, ty.value.is_empty()) {
-                    (None, false, true) => {}
-                    (Some(v), true, _) => {
-                        let (code, chain) = parse_verdict(v).map_err(bad)?;
+            if !delete {
+                match (value, holds) {
+                    (None, Holds::AddrPair) => {}
+                    (Some(Value::Verdict(v)), Holds::AddrProtoPortVerdict | Holds::ProtoPortVerdict | Holds::SlotVerdict) => {
+                        let (code, chain) = verdict_code(v).map_err(bad)?;
                         buf.nest_start(NFTA_SET_ELEM_DATA);
                         buf.verdict(code, chain);
                         buf.nest_end();
                     }
-                    (Some(v), false, false) => {
-                        let data = encode_fields(ty.value, v, op.family).map_err(bad)?;
+                    (Some(Value::AddrPort(a, p)), Holds::SlotAddrPort) => {
+                        let mut data = Vec::with_capacity(20);
+                        put_addr(&mut data, a, family).map_err(bad)?;
+                        put_port(&mut data, *p);
                         buf.nest_start(NFTA_SET_ELEM_DATA);
                         buf.attr(NFTA_DATA_VALUE, &data);
                         buf.nest_end();
@@ -601,22 +597,7 @@ impl Socket {
     pub fn open(netns: Option<&std::fs::File>) -> Result<Socket, NetlinkError> {
         match netns {
             None => Self::open_here(),
-            Some(f) => {
-                let fd = f.as_raw_fd();
-                // setns(CLONE_NEWNET) changes only the calling thread: do it in a thread of
-                // its own, which opens the socket and ends.
-                std::thread::scope(|s| {
-                    s.spawn(move || {
-                        // SAFETY: plain syscall on a valid descriptor; affects this thread only.
-                        if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
-                            return Err(NetlinkError::Netns(std::io::Error::last_os_error()));
-                        }
-                        Self::open_here()
-                    })
-                    .join()
-                    .unwrap_or_else(|_| Err(NetlinkError::Netns(std::io::Error::other("thread panicked"))))
-                })
-            }
+            Some(f) => crate::netns::on_thread_in(f, Self::open_here).map_err(NetlinkError::Netns)?,
         }
     }
 
@@ -731,36 +712,52 @@ impl Socket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Protocol;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
 
     #[test]
     fn concatenated_fields_are_padded_to_registers() {
-        let k = encode_fields(&[Field::Addr, Field::Proto, Field::Port], "198.19.0.10 . tcp . 80", IpFamily::V4).expect("key");
+        let k = encode_key(Holds::AddrProtoPortVerdict, &Key::AddrProtoPort(ip("198.19.0.10"), Protocol::Tcp, 80), IpFamily::V4).expect("key");
         assert_eq!(k, vec![198, 19, 0, 10, 6, 0, 0, 0, 0, 80, 0, 0]);
-        let v = encode_fields(&[Field::Addr, Field::Port], "fd00::1 . 8080", IpFamily::V6).expect("value");
+        let mut v = Vec::new();
+        put_addr(&mut v, &ip("fd00::1"), IpFamily::V6).expect("value");
+        put_port(&mut v, 8080);
         assert_eq!(v.len(), 20);
         assert_eq!(&v[16..], &[0x1f, 0x90, 0, 0]);
-        assert_eq!(encode_fields(&[Field::HostU32], "7", IpFamily::V4).expect("slot"), 7u32.to_ne_bytes().to_vec());
-        assert!(encode_fields(&[Field::Addr], "fd00::1", IpFamily::V4).is_err(), "family checked");
-        assert!(encode_fields(&[Field::Proto, Field::Port], "tcp", IpFamily::V4).is_err(), "field count checked");
+        assert_eq!(encode_key(Holds::SlotAddrPort, &Key::Slot(7), IpFamily::V4).expect("slot"), 7u32.to_ne_bytes().to_vec());
+        assert!(encode_key(Holds::AddrPair, &Key::AddrPair(ip("fd00::1"), ip("fd00::1")), IpFamily::V4).is_err(), "family checked");
+        assert!(encode_key(Holds::ProtoPortVerdict, &Key::Slot(1), IpFamily::V4).is_err(), "key shape checked");
     }
 
     #[test]
     fn verdicts() {
-        assert_eq!(parse_verdict("goto svc-a"), Ok((NFT_GOTO, Some("svc-a"))));
-        assert_eq!(parse_verdict("drop"), Ok((NF_DROP, None)));
-        assert!(parse_verdict("goto").is_err());
-        assert!(parse_verdict("counter drop").is_err());
+        assert_eq!(verdict_code(&Verdict::Goto("svc-a".into())), Ok((NFT_GOTO, Some("svc-a"))));
+        assert_eq!(verdict_code(&Verdict::Drop), Ok((NF_DROP, None)));
+        assert!(verdict_code(&Verdict::Goto(String::new())).is_err());
+        assert!(verdict_code(&Verdict::Goto("svc a".into())).is_err());
+    }
+
+    fn add(set: SetName, key: Key, value: Option<Value>) -> Op {
+        Op::AddElement { set, key, value }
+    }
+
+    fn with(family: IpFamily, ops: &[Op]) -> Vec<(IpFamily, &Op)> {
+        ops.iter().map(|o| (family, o)).collect()
     }
 
     #[test]
     fn batch_has_begin_messages_end_and_counts_acks() {
-        let ops = [
-            Op::Element(ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "1", value: None, delete: true }),
-            Op::Element(ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "1", value: Some("198.18.2.3 . 8080"), delete: false }),
-            Op::Element(ElementOp { family: IpFamily::V4, set: SetName::EndpointDnat(Protocol::Tcp, 0), key: "2", value: Some("198.18.2.4 . 8080"), delete: false }),
-            Op::Element(ElementOp { family: IpFamily::V6, set: SetName::Named(SERVICE_IPS), key: "fd00::a . udp . 53", value: Some("goto svc-x"), delete: false }),
+        let dnat = SetName::EndpointDnat(Protocol::Tcp, 0);
+        let v4 = [
+            Op::DeleteElement { set: dnat, key: Key::Slot(1) },
+            add(dnat, Key::Slot(1), Some(Value::AddrPort(ip("198.18.2.3"), 8080))),
+            add(dnat, Key::Slot(2), Some(Value::AddrPort(ip("198.18.2.4"), 8080))),
         ];
+        let v6 = [add(SetName::Named(SERVICE_IPS), Key::AddrProtoPort(ip("fd00::a"), Protocol::Udp, 53), Some(Value::Verdict(Verdict::Goto("svc-x".into()))))];
+        let mut ops = with(IpFamily::V4, &v4);
+        ops.extend(with(IpFamily::V6, &v6));
         let b = encode(&ops).expect("encode");
         assert_eq!(b.messages, 3, "delete, add (two elements), add in the other family");
         assert!(b.len().is_multiple_of(4));
@@ -768,43 +765,62 @@ mod tests {
         assert_eq!(ty(0), NFNL_MSG_BATCH_BEGIN);
         assert_eq!(ty(20), (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSETELEM);
         // Long verdicts: messages end before their element list outgrows 16-bit lengths.
-        let chain = format!("goto svc-{}", "x".repeat(240));
-        let keys: Vec<String> = (0..600).map(|i| format!("198.19.{}.{} . tcp . 80", i / 250, i % 250)).collect();
-        let many: Vec<Op> = keys
-            .iter()
-            .map(|k| Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named(SERVICE_IPS), key: k, value: Some(&chain), delete: false }))
+        let chain = format!("svc-{}", "x".repeat(240));
+        let many: Vec<Op> = (0..600u32)
+            .map(|i| {
+                let key = Key::AddrProtoPort(ip(&format!("198.19.{}.{}", i / 250, i % 250)), Protocol::Tcp, 80);
+                add(SetName::Named(SERVICE_IPS), key, Some(Value::Verdict(Verdict::Goto(chain.clone()))))
+            })
             .collect();
-        let b = encode(&many).expect("encode");
+        let b = encode(&with(IpFamily::V4, &many)).expect("encode");
         assert!(b.messages > 600 / ELEMENTS_PER_MESSAGE + 1, "{} messages", b.messages);
         let long = "y".repeat(70_000);
-        let huge = [Op::AddChain { family: IpFamily::V4, chain: &long }];
-        assert!(encode(&huge).is_err(), "a 16-bit length overflow is refused, not wrapped");
-        let bad = [Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named("other"), key: "1", value: None, delete: false })];
-        assert!(encode(&bad).is_err());
-        let bad = [Op::Element(ElementOp { family: IpFamily::V4, set: SetName::Named(HAIRPIN), key: "1.2.3.4 . 1.2.3.4", value: Some("drop"), delete: false })];
-        assert!(encode(&bad).is_err(), "a set element has no value");
-        let rule = [Op::AddRule { family: IpFamily::V4, chain: "svc-a", rule: "ip saddr != { 198.18.0.0/16 } jump mark-for-masquerade" }];
-        assert!(encode(&rule).is_err(), "other rules go through nft");
+        let huge = [Op::AddChain { chain: long, base: None }];
+        assert!(encode(&with(IpFamily::V4, &huge)).is_err(), "a 16-bit length overflow is refused, not wrapped");
+        let bad = [add(SetName::Named("other"), Key::Slot(1), None)];
+        assert!(encode(&with(IpFamily::V4, &bad)).is_err());
+        let bad = [add(SetName::Named(HAIRPIN), Key::AddrPair(ip("1.2.3.4"), ip("1.2.3.4")), Some(Value::Verdict(Verdict::Drop)))];
+        assert!(encode(&with(IpFamily::V4, &bad)).is_err(), "a set element has no value");
+        let rule = [Op::AddRule {
+            chain: "svc-a".into(),
+            rule: Rule::new([
+                Expr::SaddrNotIn(IpFamily::V4, vec!["198.18.0.0/16".parse().expect("net")]),
+                Expr::Verdict(Verdict::Jump("mark-for-masquerade".into())),
+            ]),
+        }];
+        assert!(encode(&with(IpFamily::V4, &rule)).is_err(), "other rules go through nft");
+        let table = [Op::AddTable { comment: true }];
+        assert!(encode(&with(IpFamily::V4, &table)).is_err(), "tables go through nft");
     }
 
     #[test]
-    fn rule_shapes_of_plain_service_chains_are_parsed() {
+    fn rule_shapes_of_plain_service_chains_are_encoded() {
+        let dnat_map = SetName::EndpointDnat(Protocol::Tcp, 4);
         assert_eq!(
-            parse_rule("meta l4proto tcp dnat to numgen random mod 3 offset 96 map @endpoint-dnat-tcp-4"),
-            Some(Rule::DnatMap { proto: 6, modulus: 3, offset: 96, map: "endpoint-dnat-tcp-4" })
+            shape(&Rule::new([Expr::L4Proto(Protocol::Tcp), Expr::DnatNumgenMap { modulus: 3, offset: 96, map: dnat_map }])),
+            Some(Shape::DnatMap { proto: 6, modulus: 3, offset: 96, map: dnat_map })
         );
-        assert_eq!(parse_rule("meta l4proto udp dnat to [fd00:2::1]:5353"), Some(Rule::DnatTo { proto: 17, addr: "fd00:2::1".parse().expect("ip"), port: 5353 }));
-        assert_eq!(parse_rule("meta l4proto sctp dnat to 198.18.2.1:80"), Some(Rule::DnatTo { proto: 132, addr: "198.18.2.1".parse().expect("ip"), port: 80 }));
-        assert_eq!(parse_rule("goto svc-ns/a/tcp/80"), Some(Rule::Verdict { code: NFT_GOTO, chain: "svc-ns/a/tcp/80" }));
-        assert_eq!(parse_rule("jump mark-for-masquerade"), Some(Rule::Verdict { code: NFT_JUMP, chain: "mark-for-masquerade" }));
+        assert_eq!(
+            shape(&Rule::new([Expr::L4Proto(Protocol::Udp), Expr::DnatTo(ip("fd00:2::1"), 5353)])),
+            Some(Shape::DnatTo { proto: 17, addr: ip("fd00:2::1"), port: 5353 })
+        );
+        assert_eq!(
+            shape(&Rule::new([Expr::L4Proto(Protocol::Sctp), Expr::DnatTo(ip("198.18.2.1"), 80)])),
+            Some(Shape::DnatTo { proto: 132, addr: ip("198.18.2.1"), port: 80 })
+        );
+        assert_eq!(shape(&Rule::verdict(Verdict::Goto("svc-ns/a/tcp/80".into()))), Some(Shape::Verdict { code: NFT_GOTO, chain: "svc-ns/a/tcp/80" }));
+        assert_eq!(
+            shape(&Rule::verdict(Verdict::Jump("mark-for-masquerade".into()))),
+            Some(Shape::Verdict { code: NFT_JUMP, chain: "mark-for-masquerade" })
+        );
         for other in [
-            "fib saddr type local goto svc-a",
-            "meta l4proto tcp dnat to numgen random mod 0 offset 0 map @m",
-            "meta l4proto icmp dnat to 198.18.2.1:80",
-            "ip saddr @aff-30-x goto ep-x",
-            "numgen random mod 2 offset 0 vmap @endpoint-chains-0",
+            Rule::new([Expr::FibSaddrLocal, Expr::Verdict(Verdict::Goto("svc-a".into()))]),
+            Rule::new([Expr::L4Proto(Protocol::Tcp), Expr::DnatNumgenMap { modulus: 0, offset: 0, map: dnat_map }]),
+            Rule::new([Expr::SaddrInSet(IpFamily::V4, "aff-30-x".into()), Expr::Verdict(Verdict::Goto("ep-x".into()))]),
+            Rule::new([Expr::NumgenVmap { modulus: 2, offset: 0, map: SetName::EndpointChains(0) }]),
+            Rule::verdict(Verdict::Goto("svc a".into())),
         ] {
-            assert_eq!(parse_rule(other), None, "{other}");
+            assert_eq!(shape(&other), None, "{other}");
         }
     }
 }

@@ -1,20 +1,16 @@
 //! Rendering: the table skeleton, and one Service port → its [`Fragment`] (chains, sets and
-//! map elements it owns). Pure: no I/O; slot ranges come from the caller's allocator.
+//! map elements it owns), as typed operations, rules and elements ([`super::ops`]). Pure:
+//! no I/O; slot ranges come from the caller's allocator.
+
+#![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::net::IpAddr;
 
-use ipnet::IpNet;
-
+use super::ops::{BaseChain, Expr, Key, Op, Rule, SetName, SetType, TableRef, Value, Verdict};
 use super::slots::{SlotAllocator, SlotRange, SlotsExhausted};
 use crate::model::state::DesiredPort;
-use crate::model::{Endpoint, IpFamily, Protocol, ServicePortName};
-
-/// Name of the agent's table in each family (`ip clusterip`, `ip6 clusterip`).
-pub const TABLE: &str = "clusterip";
-/// Mark bit asking `nat-postrouting` to masquerade (kube-proxy's 0x4000).
-pub const MASQ_MARK: &str = "0x00004000";
+use crate::model::{Endpoint, IpFamily, ServicePortName};
 
 // Table-wide maps and sets.
 pub const SERVICE_IPS: &str = "service-ips";
@@ -27,41 +23,6 @@ pub const HAIRPIN: &str = "hairpin";
 /// All table-wide maps and sets of the skeleton, in a fixed order.
 pub const SHARED_SETS: [&str; 6] = [SERVICE_IPS, SERVICE_NODEPORTS, NO_ENDPOINT_SERVICES, NO_ENDPOINT_NODEPORTS, FIREWALL_IPS, HAIRPIN];
 
-/// A map or set holding elements: a skeleton one, or a shard of the endpoint maps
-/// (see [`super::slots`]), created on first use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SetName {
-    Named(&'static str),
-    /// `endpoint-dnat-<proto>-<shard>`: slot → endpoint address . port. One per protocol:
-    /// nft (1.0.6 at least) rejects a rule using a `typeof … th dport` map read back from the
-    /// kernel ("conflicting protocols"), so the data is typed with the protocol's port field.
-    EndpointDnat(Protocol, u32),
-    /// `endpoint-chains-<shard>`: slot → `goto` endpoint chain (ClientIP affinity).
-    EndpointChains(u32),
-}
-
-impl std::fmt::Display for SetName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            SetName::Named(n) => f.write_str(n),
-            SetName::EndpointDnat(p, k) => write!(f, "endpoint-dnat-{p}-{k}"),
-            SetName::EndpointChains(k) => write!(f, "endpoint-chains-{k}"),
-        }
-    }
-}
-
-impl SetName {
-    /// The definition body of a shard map (None for skeleton sets).
-    pub fn shard_definition(self, family: IpFamily) -> Option<String> {
-        let ip = Family(family).nft();
-        match self {
-            SetName::Named(_) => None,
-            SetName::EndpointDnat(p, _) => Some(format!("typeof numgen random mod 1 : {ip} daddr . {} dport;", p.keyword())),
-            SetName::EndpointChains(_) => Some("typeof numgen random mod 1 : verdict;".to_string()),
-        }
-    }
-}
-
 /// Rendering choices that come from flags.
 #[derive(Debug, Clone, Default)]
 pub struct RenderOptions {
@@ -69,71 +30,48 @@ pub struct RenderOptions {
     pub masquerade_all: bool,
     /// Pod CIDRs of the cluster (`--cluster-cidr`): traffic to a ClusterIP from outside
     /// them is masqueraded (kube-proxy's local-traffic detector).
-    pub cluster_cidrs: Vec<IpNet>,
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
 }
 
-/// Family-dependent spelling.
-#[derive(Debug, Clone, Copy)]
-pub struct Family(pub IpFamily);
+const MARK_FOR_MASQUERADE: &str = "mark-for-masquerade";
 
-impl Family {
-    pub fn nft(self) -> &'static str {
-        match self.0 {
-            IpFamily::V4 => "ip",
-            IpFamily::V6 => "ip6",
-        }
-    }
-    fn addr_type(self) -> &'static str {
-        match self.0 {
-            IpFamily::V4 => "ipv4_addr",
-            IpFamily::V6 => "ipv6_addr",
-        }
-    }
-    fn no_localhost(self) -> &'static str {
-        match self.0 {
-            IpFamily::V4 => "ip daddr != 127.0.0.0/8",
-            IpFamily::V6 => "ip6 daddr != ::1",
-        }
-    }
-    /// `ip:port` as a DNAT target.
-    fn target(self, ip: &IpAddr, port: u16) -> String {
-        match ip {
-            IpAddr::V4(a) => format!("{a}:{port}"),
-            IpAddr::V6(a) => format!("[{a}]:{port}"),
-        }
-    }
+fn jump(chain: &str) -> Expr {
+    Expr::Verdict(Verdict::Jump(chain.to_string()))
 }
 
-/// The skeleton: table, base chains, helper chains, shared maps and their rules,
-/// as `(definitions, rules)` nft commands (without the trailing newline per line).
-pub fn skeleton(family: IpFamily) -> Vec<String> {
-    let f = Family(family);
-    let ip = f.nft();
-    let t = format!("{ip} {TABLE}");
-    let at = f.addr_type();
-    let mut v = vec![format!("add table {t} {{ comment \"rules for clusterip-agent\"; }}")];
-    for (name, ty, hook, prio) in [
-        ("filter-prerouting", "filter", "prerouting", "-110"),
-        ("filter-input", "filter", "input", "-110"),
-        ("filter-forward", "filter", "forward", "-110"),
-        ("filter-output", "filter", "output", "-110"),
-        ("nat-prerouting", "nat", "prerouting", "-100"),
-        ("nat-output", "nat", "output", "-100"),
-        ("nat-postrouting", "nat", "postrouting", "100"),
+fn goto(chain: &str) -> Expr {
+    Expr::Verdict(Verdict::Goto(chain.to_string()))
+}
+
+/// The skeleton: table, base chains, helper chains, shared maps and their rules.
+pub fn skeleton(family: IpFamily) -> Vec<Op> {
+    let mut v = vec![Op::AddTable { comment: true }];
+    for (name, kind, hook, priority) in [
+        ("filter-prerouting", "filter", "prerouting", -110),
+        ("filter-input", "filter", "input", -110),
+        ("filter-forward", "filter", "forward", -110),
+        ("filter-output", "filter", "output", -110),
+        ("nat-prerouting", "nat", "prerouting", -100),
+        ("nat-output", "nat", "output", -100),
+        ("nat-postrouting", "nat", "postrouting", 100),
     ] {
-        v.push(format!("add chain {t} {name} {{ type {ty} hook {hook} priority {prio}; policy accept; }}"));
+        v.push(Op::AddChain { chain: name.to_string(), base: Some(BaseChain { kind, hook, priority }) });
     }
     for name in SKELETON_CHAINS {
-        v.push(format!("add chain {t} {name}"));
+        v.push(Op::AddChain { chain: name.to_string(), base: None });
     }
-    v.push(format!("add map {t} {SERVICE_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}"));
-    v.push(format!("add map {t} {SERVICE_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}"));
-    v.push(format!("add map {t} {NO_ENDPOINT_SERVICES} {{ type {at} . inet_proto . inet_service : verdict; }}"));
-    v.push(format!("add map {t} {NO_ENDPOINT_NODEPORTS} {{ type inet_proto . inet_service : verdict; }}"));
-    v.push(format!("add map {t} {FIREWALL_IPS} {{ type {at} . inet_proto . inet_service : verdict; }}"));
-    v.push(format!("add set {t} {HAIRPIN} {{ type {at} . {at}; }}"));
+    for (name, ty) in [
+        (SERVICE_IPS, SetType::AddrProtoPortVerdict(family)),
+        (SERVICE_NODEPORTS, SetType::ProtoPortVerdict),
+        (NO_ENDPOINT_SERVICES, SetType::AddrProtoPortVerdict(family)),
+        (NO_ENDPOINT_NODEPORTS, SetType::ProtoPortVerdict),
+        (FIREWALL_IPS, SetType::AddrProtoPortVerdict(family)),
+        (HAIRPIN, SetType::AddrPair(family)),
+    ] {
+        v.push(Op::AddSet { name: name.to_string(), ty });
+    }
     for (chain, rule) in skeleton_rules(family) {
-        v.push(format!("add rule {t} {chain} {rule}"));
+        v.push(Op::AddRule { chain: chain.to_string(), rule });
     }
     v
 }
@@ -142,7 +80,7 @@ pub fn skeleton(family: IpFamily) -> Vec<String> {
 pub const SKELETON_CHAINS: [&str; 7] = [
     "services",
     "masquerading",
-    "mark-for-masquerade",
+    MARK_FOR_MASQUERADE,
     "reject-chain",
     "service-endpoints-check",
     "nodeport-endpoints-check",
@@ -154,32 +92,33 @@ pub const BASE_CHAINS: [&str; 7] =
     ["filter-prerouting", "filter-input", "filter-forward", "filter-output", "nat-prerouting", "nat-output", "nat-postrouting"];
 
 /// The skeleton's rules as (chain, rule).
-pub fn skeleton_rules(family: IpFamily) -> Vec<(&'static str, String)> {
-    let f = Family(family);
-    let ip = f.nft();
-    let nolo = f.no_localhost();
+pub fn skeleton_rules(family: IpFamily) -> Vec<(&'static str, Rule)> {
+    use crate::model::Protocol::Tcp;
+    use Expr::*;
+    let new_jump = |c: &str| Rule::new([CtStateNew, jump(c)]);
+    let local_ports = |m: &'static str| Rule::new([FibDaddrLocal, NotLoopback(family), VmapProtoPort(SetName::Named(m))]);
     vec![
-        ("filter-prerouting", "ct state new jump firewall-check".into()),
-        ("filter-input", "ct state new jump nodeport-endpoints-check".into()),
-        ("filter-input", "ct state new jump service-endpoints-check".into()),
-        ("filter-forward", "ct state new jump service-endpoints-check".into()),
-        ("filter-output", "ct state new jump service-endpoints-check".into()),
-        ("filter-output", "ct state new jump firewall-check".into()),
-        ("nat-prerouting", "jump services".into()),
-        ("nat-output", "jump services".into()),
-        ("nat-postrouting", "jump masquerading".into()),
-        ("services", format!("{ip} daddr . meta l4proto . th dport vmap @{SERVICE_IPS}")),
-        ("services", format!("fib daddr type local {nolo} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")),
-        ("masquerading", format!("ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN} masquerade")),
-        ("masquerading", format!("meta mark & {MASQ_MARK} == 0 return")),
-        ("masquerading", format!("meta mark set meta mark ^ {MASQ_MARK}")),
-        ("masquerading", "masquerade fully-random".into()),
-        ("mark-for-masquerade", format!("meta mark set meta mark | {MASQ_MARK}")),
-        ("reject-chain", "meta l4proto tcp reject with tcp reset".into()),
-        ("reject-chain", "reject".into()),
-        ("service-endpoints-check", format!("{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES}")),
-        ("nodeport-endpoints-check", format!("fib daddr type local {nolo} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS}")),
-        ("firewall-check", format!("{ip} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}")),
+        ("filter-prerouting", new_jump("firewall-check")),
+        ("filter-input", new_jump("nodeport-endpoints-check")),
+        ("filter-input", new_jump("service-endpoints-check")),
+        ("filter-forward", new_jump("service-endpoints-check")),
+        ("filter-output", new_jump("service-endpoints-check")),
+        ("filter-output", new_jump("firewall-check")),
+        ("nat-prerouting", Rule::new([jump("services")])),
+        ("nat-output", Rule::new([jump("services")])),
+        ("nat-postrouting", Rule::new([jump("masquerading")])),
+        ("services", Rule::new([VmapDaddrProtoPort(family, SetName::Named(SERVICE_IPS))])),
+        ("services", local_ports(SERVICE_NODEPORTS)),
+        ("masquerading", Rule::new([CtStatusDnat, SaddrDaddrInSet(family, SetName::Named(HAIRPIN)), Masquerade { fully_random: false }])),
+        ("masquerading", Rule::new([MasqMarkUnset, Expr::Verdict(super::ops::Verdict::Return)])),
+        ("masquerading", Rule::new([MasqMarkToggle])),
+        ("masquerading", Rule::new([Masquerade { fully_random: true }])),
+        (MARK_FOR_MASQUERADE, Rule::new([MasqMarkSet])),
+        ("reject-chain", Rule::new([L4Proto(Tcp), Reject { tcp_reset: true }])),
+        ("reject-chain", Rule::new([Reject { tcp_reset: false }])),
+        ("service-endpoints-check", Rule::new([VmapDaddrProtoPort(family, SetName::Named(NO_ENDPOINT_SERVICES))])),
+        ("nodeport-endpoints-check", local_ports(NO_ENDPOINT_NODEPORTS)),
+        ("firewall-check", Rule::new([VmapDaddrProtoPort(family, SetName::Named(FIREWALL_IPS))])),
     ]
 }
 
@@ -187,18 +126,18 @@ pub fn skeleton_rules(family: IpFamily) -> Vec<(&'static str, String)> {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Element {
     pub set: SetName,
-    pub key: String,
+    pub key: Key,
     /// Map value; None for a set element.
-    pub value: Option<String>,
+    pub value: Option<Value>,
 }
 
 /// Everything one Service port owns in one family's table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fragment {
     /// Chain name → rules.
-    pub chains: BTreeMap<String, Vec<String>>,
-    /// Affinity set name → definition body (inside `{ }`).
-    pub sets: BTreeMap<String, String>,
+    pub chains: BTreeMap<String, Vec<Rule>>,
+    /// Affinity set name → definition.
+    pub sets: BTreeMap<String, SetType>,
     pub elements: Vec<Element>,
     /// Slot ranges owned, by chain name.
     pub slots: BTreeMap<String, SlotRange>,
@@ -236,8 +175,6 @@ pub fn render_port(
 ) -> Result<Fragment, SlotsExhausted> {
     let mut frag = Fragment::default();
     let sp = &d.port;
-    let f = Family(family);
-    let ip = f.nft();
     let in_family = |a: &&IpAddr| IpFamily::of(a) == family;
     let cluster_ips: Vec<&IpAddr> = sp.cluster_ips.iter().filter(in_family).collect();
     if cluster_ips.is_empty() {
@@ -246,7 +183,7 @@ pub fn render_port(
     }
     let external_vips: Vec<&IpAddr> = sp.external_ips.iter().chain(&sp.load_balancer_ips).filter(in_family).collect();
     let eps = d.endpoints(family);
-    let proto = sp.name.protocol.keyword();
+    let proto = sp.name.protocol;
     let base = chain_base(&sp.name, sp.port);
     let cluster_chain = format!("svc-{base}");
     let local_chain = format!("local-{base}");
@@ -254,7 +191,8 @@ pub fn render_port(
     let fw_chain = format!("fw-{base}");
     let has_cluster = sp.uses_cluster_endpoints() && !eps.cluster.is_empty();
     let has_local = sp.uses_local_endpoints() && !eps.local.is_empty();
-    let no_endpoint_verdict = if eps.has_any { "drop".to_string() } else { "goto reject-chain".to_string() };
+    let no_endpoint_verdict = if eps.has_any { Verdict::Drop } else { Verdict::Goto("reject-chain".to_string()) };
+    let goto_value = |chain: &str| Some(Value::Verdict(Verdict::Goto(chain.to_string())));
 
     // Endpoint selection chains.
     let mut ep_chain_names: BTreeMap<(IpAddr, u16), String> = BTreeMap::new();
@@ -267,14 +205,14 @@ pub fn render_port(
         let is_internal = (chain == &cluster_chain) != sp.internal_policy_local;
         if is_internal {
             for cip in &cluster_ips {
-                let m = format!("{ip} daddr {cip} {proto} dport {}", sp.port);
+                let m = [Expr::Daddr(**cip), Expr::Dport(proto, sp.port)];
                 if opts.masquerade_all {
-                    rules.push(format!("{m} jump mark-for-masquerade"));
+                    rules.push(Rule::new([m[0].clone(), m[1].clone(), jump(MARK_FOR_MASQUERADE)]));
                 } else {
-                    let cidrs: Vec<String> =
-                        opts.cluster_cidrs.iter().filter(|n| IpFamily::of(&n.addr()) == family).map(|n| n.to_string()).collect();
+                    let cidrs: Vec<ipnet::IpNet> = opts.cluster_cidrs.iter().filter(|n| IpFamily::of(&n.addr()) == family).copied().collect();
                     if !cidrs.is_empty() {
-                        rules.push(format!("{m} {ip} saddr != {{ {} }} jump mark-for-masquerade", cidrs.join(", ")));
+                        let [d, p] = m;
+                        rules.push(Rule::new([d, p, Expr::SaddrNotIn(family, cidrs), jump(MARK_FOR_MASQUERADE)]));
                     }
                 }
             }
@@ -286,58 +224,47 @@ pub fn render_port(
                 let suffix = endpoint_suffix(ep);
                 let ep_chain = format!("ep-{base}__{suffix}");
                 let set = format!("aff-{timeout}-{base}__{suffix}");
-                rules.push(format!("{ip} saddr @{set} goto {ep_chain}"));
+                rules.push(Rule::new([Expr::SaddrInSet(family, set.clone()), goto(&ep_chain)]));
                 if let std::collections::btree_map::Entry::Vacant(slot) = ep_chain_names.entry((ep.ip, ep.port)) {
                     slot.insert(ep_chain.clone());
-                    frag.sets.insert(
-                        set.clone(),
-                        format!("type {}; flags dynamic,timeout; timeout {timeout}s;", f.addr_type()),
-                    );
+                    frag.sets.insert(set.clone(), SetType::Affinity(family, timeout));
                     frag.chains.insert(
                         ep_chain.clone(),
                         vec![
-                            format!("{ip} saddr {} jump mark-for-masquerade", ep.ip),
-                            format!("update @{set} {{ {ip} saddr }}"),
-                            format!("meta l4proto {proto} dnat to {}", f.target(&ep.ip, ep.port)),
+                            Rule::new([Expr::Saddr(ep.ip), jump(MARK_FOR_MASQUERADE)]),
+                            Rule::new([Expr::UpdateSaddr(family, set)]),
+                            Rule::new([Expr::L4Proto(proto), Expr::DnatTo(ep.ip, ep.port)]),
                         ],
                     );
                 }
                 targets.push(ep_chain);
             }
             if n == 1 {
-                rules.push(format!("goto {}", targets[0]));
+                rules.push(Rule::new([goto(&targets[0])]));
             } else {
                 let r = slot_range(chain, n, prev, slots)?;
                 frag.slots.insert(chain.clone(), r);
                 let map = SetName::EndpointChains(r.shard);
-                rules.push(format!("numgen random mod {n} offset {} vmap @{map}", r.base));
+                rules.push(Rule::new([Expr::NumgenVmap { modulus: n, offset: r.base, map }]));
                 for (i, t) in targets.iter().enumerate() {
-                    frag.elements.push(Element {
-                        set: map,
-                        key: (r.base + i as u32).to_string(),
-                        value: Some(format!("goto {t}")),
-                    });
+                    frag.elements.push(Element { set: map, key: Key::Slot(r.base + i as u32), value: goto_value(t) });
                 }
             }
         } else {
             // Hairpin (a pod reaching itself through a VIP) can only start on the pod's own
             // node, so only local endpoints need an entry.
             for ep in list.iter().filter(|e| e.is_local) {
-                frag.elements.push(Element { set: SetName::Named(HAIRPIN), key: format!("{} . {}", ep.ip, ep.ip), value: None });
+                frag.elements.push(Element { set: SetName::Named(HAIRPIN), key: Key::AddrPair(ep.ip, ep.ip), value: None });
             }
             if n == 1 {
-                rules.push(format!("meta l4proto {proto} dnat to {}", f.target(&list[0].ip, list[0].port)));
+                rules.push(Rule::new([Expr::L4Proto(proto), Expr::DnatTo(list[0].ip, list[0].port)]));
             } else {
                 let r = slot_range(chain, n, prev, slots)?;
                 frag.slots.insert(chain.clone(), r);
-                let map = SetName::EndpointDnat(sp.name.protocol, r.shard);
-                rules.push(format!("meta l4proto {proto} dnat to numgen random mod {n} offset {} map @{map}", r.base));
+                let map = SetName::EndpointDnat(proto, r.shard);
+                rules.push(Rule::new([Expr::L4Proto(proto), Expr::DnatNumgenMap { modulus: n, offset: r.base, map }]));
                 for (i, ep) in list.iter().enumerate() {
-                    frag.elements.push(Element {
-                        set: map,
-                        key: (r.base + i as u32).to_string(),
-                        value: Some(format!("{} . {}", ep.ip, ep.port)),
-                    });
+                    frag.elements.push(Element { set: map, key: Key::Slot(r.base + i as u32), value: Some(Value::AddrPort(ep.ip, ep.port)) });
                 }
             }
         }
@@ -348,10 +275,14 @@ pub fn render_port(
     // ClusterIPs.
     let internal = if sp.internal_policy_local { has_local.then_some(&local_chain) } else { has_cluster.then_some(&cluster_chain) };
     for cip in &cluster_ips {
-        let key = format!("{cip} . {proto} . {}", sp.port);
+        let key = Key::AddrProtoPort(**cip, proto, sp.port);
         match internal {
-            Some(chain) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: Some(format!("goto {chain}")) }),
-            None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: Some(no_endpoint_verdict.clone()) }),
+            Some(chain) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: goto_value(chain) }),
+            None => frag.elements.push(Element {
+                set: SetName::Named(NO_ENDPOINT_SERVICES),
+                key,
+                value: Some(Value::Verdict(no_endpoint_verdict.clone())),
+            }),
         }
     }
 
@@ -362,50 +293,44 @@ pub fn render_port(
             let mut rules = Vec::new();
             if sp.external_policy_local {
                 if has_cluster {
-                    rules.push("fib saddr type local jump mark-for-masquerade".to_string());
-                    rules.push(format!("fib saddr type local goto {cluster_chain}"));
+                    rules.push(Rule::new([Expr::FibSaddrLocal, jump(MARK_FOR_MASQUERADE)]));
+                    rules.push(Rule::new([Expr::FibSaddrLocal, goto(&cluster_chain)]));
                 }
             } else {
-                rules.push("jump mark-for-masquerade".to_string());
+                rules.push(Rule::new([jump(MARK_FOR_MASQUERADE)]));
             }
-            rules.push(format!("goto {target}"));
+            rules.push(Rule::new([goto(target)]));
             frag.chains.insert(ext_chain.clone(), rules);
         }
+        let no_endpoint = || Some(Value::Verdict(no_endpoint_verdict.clone()));
         for vip in &external_vips {
-            let key = format!("{vip} . {proto} . {}", sp.port);
+            let key = Key::AddrProtoPort(**vip, proto, sp.port);
             match external_target {
-                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: Some(format!("goto {ext_chain}")) }),
-                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: Some(no_endpoint_verdict.clone()) }),
+                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: goto_value(&ext_chain) }),
+                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: no_endpoint() }),
             }
         }
         if let Some(np) = sp.node_port {
-            let key = format!("{proto} . {np}");
+            let key = Key::ProtoPort(proto, np);
             match external_target {
-                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_NODEPORTS), key, value: Some(format!("goto {ext_chain}")) }),
-                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key, value: Some(no_endpoint_verdict.clone()) }),
+                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_NODEPORTS), key, value: goto_value(&ext_chain) }),
+                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key, value: no_endpoint() }),
             }
         }
         // loadBalancerSourceRanges apply to LB IPs only (not NodePorts, as in kube-proxy).
         if !sp.load_balancer_source_ranges.is_empty() {
             let lb_ips: Vec<&IpAddr> = sp.load_balancer_ips.iter().filter(in_family).collect();
             if !lb_ips.is_empty() {
-                let ranges: Vec<String> = sp
-                    .load_balancer_source_ranges
-                    .iter()
-                    .filter(|n| IpFamily::of(&n.addr()) == family)
-                    .map(|n| n.to_string())
-                    .collect();
-                let rule = if ranges.is_empty() {
-                    "drop".to_string()
-                } else {
-                    format!("{ip} saddr != {{ {} }} drop", ranges.join(", "))
-                };
+                let ranges: Vec<ipnet::IpNet> =
+                    sp.load_balancer_source_ranges.iter().filter(|n| IpFamily::of(&n.addr()) == family).copied().collect();
+                let drop = Expr::Verdict(Verdict::Drop);
+                let rule = if ranges.is_empty() { Rule::new([drop]) } else { Rule::new([Expr::SaddrNotIn(family, ranges), drop]) };
                 frag.chains.insert(fw_chain.clone(), vec![rule]);
                 for lb in lb_ips {
                     frag.elements.push(Element {
                         set: SetName::Named(FIREWALL_IPS),
-                        key: format!("{lb} . {proto} . {}", sp.port),
-                        value: Some(format!("goto {fw_chain}")),
+                        key: Key::AddrProtoPort(*lb, proto, sp.port),
+                        value: goto_value(&fw_chain),
                     });
                 }
             }
@@ -425,10 +350,11 @@ fn slot_range(chain: &str, n: u32, prev: Option<&Fragment>, slots: &mut SlotAllo
 
 /// Render a Fragment as the nft commands that create it (for tests and debugging).
 pub fn fragment_text(family: IpFamily, frag: &Fragment) -> String {
-    let t = format!("{} {TABLE}", Family(family).nft());
+    use std::fmt::Write as _;
+    let t = TableRef(family);
     let mut s = String::new();
-    for (name, body) in &frag.sets {
-        let _ = writeln!(s, "add set {t} {name} {{ {body} }}");
+    for (name, ty) in &frag.sets {
+        let _ = writeln!(s, "add set {t} {name} {{ {ty} }}");
     }
     for name in frag.chains.keys() {
         let _ = writeln!(s, "add chain {t} {name}");
@@ -474,6 +400,20 @@ mod tests {
         (1..=n).map(|i| Endpoint::ready(ip(&format!("198.18.2.{i}")), 8080)).collect()
     }
 
+    /// A chain's rules as nft text.
+    fn rules(f: &Fragment, chain: &str) -> Vec<String> {
+        f.chains.get(chain).expect("chain").iter().map(Rule::to_string).collect()
+    }
+
+    /// The elements as (set, key, value) in nft text.
+    fn elements(f: &Fragment) -> Vec<(SetName, String, Option<String>)> {
+        f.elements.iter().map(|e| (e.set, e.key.to_string(), e.value.as_ref().map(Value::to_string))).collect()
+    }
+
+    fn el(set: SetName, key: &str, value: Option<&str>) -> (SetName, String, Option<String>) {
+        (set, key.to_string(), value.map(str::to_string))
+    }
+
     fn render(d: &DesiredPort) -> Fragment {
         render_port(d, IpFamily::V4, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("render")
     }
@@ -483,18 +423,13 @@ mod tests {
         let mut endpoints = eps(3);
         endpoints[1].is_local = true;
         let f = render(&desired(port(), endpoints, vec![], true));
-        assert_eq!(
-            f.chains.get("svc-ns/web/tcp/http").expect("chain"),
-            &vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat-tcp-0".to_string()]
-        );
-        let dnat: Vec<_> = f.elements.iter().filter(|e| e.set == SetName::EndpointDnat(Protocol::Tcp, 0)).map(|e| (e.key.as_str(), e.value.as_deref())).collect();
+        assert_eq!(rules(&f, "svc-ns/web/tcp/http"), vec!["meta l4proto tcp dnat to numgen random mod 3 offset 0 map @endpoint-dnat-tcp-0".to_string()]);
+        let all = elements(&f);
+        let dnat: Vec<_> =
+            all.iter().filter(|e| e.0 == SetName::EndpointDnat(Protocol::Tcp, 0)).map(|e| (e.1.as_str(), e.2.as_deref())).collect();
         assert_eq!(dnat, vec![("0", Some("198.18.2.1 . 8080")), ("1", Some("198.18.2.2 . 8080")), ("2", Some("198.18.2.3 . 8080"))]);
-        assert!(f.elements.contains(&Element {
-            set: SetName::Named(SERVICE_IPS),
-            key: "198.19.0.10 . tcp . 80".into(),
-            value: Some("goto svc-ns/web/tcp/http".into())
-        }));
-        let hairpin: Vec<&str> = f.elements.iter().filter(|e| e.set == SetName::Named(HAIRPIN)).map(|e| e.key.as_str()).collect();
+        assert!(all.contains(&el(SetName::Named(SERVICE_IPS), "198.19.0.10 . tcp . 80", Some("goto svc-ns/web/tcp/http"))));
+        let hairpin: Vec<&str> = all.iter().filter(|e| e.0 == SetName::Named(HAIRPIN)).map(|e| e.1.as_str()).collect();
         assert_eq!(hairpin, vec!["198.18.2.2 . 198.18.2.2"], "hairpin entries for local endpoints only");
         assert_eq!(f.chains.len(), 1, "no per-endpoint chains without affinity");
     }
@@ -502,7 +437,7 @@ mod tests {
     #[test]
     fn single_endpoint_needs_no_map() {
         let f = render(&desired(port(), eps(1), vec![], true));
-        assert_eq!(f.chains["svc-ns/web/tcp/http"], vec!["meta l4proto tcp dnat to 198.18.2.1:8080".to_string()]);
+        assert_eq!(rules(&f, "svc-ns/web/tcp/http"), vec!["meta l4proto tcp dnat to 198.18.2.1:8080".to_string()]);
         assert!(f.slots.is_empty());
     }
 
@@ -510,14 +445,11 @@ mod tests {
     fn no_endpoints_rejects_and_local_without_local_endpoints_drops() {
         let f = render(&desired(port(), vec![], vec![], false));
         assert!(f.chains.is_empty());
-        assert_eq!(
-            f.elements,
-            vec![Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key: "198.19.0.10 . tcp . 80".into(), value: Some("goto reject-chain".into()) }]
-        );
+        assert_eq!(elements(&f), vec![el(SetName::Named(NO_ENDPOINT_SERVICES), "198.19.0.10 . tcp . 80", Some("goto reject-chain"))]);
         let mut sp = port();
         sp.internal_policy_local = true;
         let f = render(&desired(sp, vec![], vec![], true));
-        assert_eq!(f.elements[0].value.as_deref(), Some("drop"));
+        assert_eq!(elements(&f)[0].2.as_deref(), Some("drop"));
     }
 
     #[test]
@@ -525,14 +457,14 @@ mod tests {
         let mut sp = port();
         sp.affinity_timeout = Some(30);
         let f = render(&desired(sp, eps(2), vec![], true));
-        let svc = &f.chains["svc-ns/web/tcp/http"];
+        let svc = rules(&f, "svc-ns/web/tcp/http");
         assert_eq!(svc[0], "ip saddr @aff-30-ns/web/tcp/http__198.18.2.1/8080 goto ep-ns/web/tcp/http__198.18.2.1/8080");
         assert_eq!(svc[2], "numgen random mod 2 offset 0 vmap @endpoint-chains-0");
-        let ep = &f.chains["ep-ns/web/tcp/http__198.18.2.2/8080"];
+        let ep = rules(&f, "ep-ns/web/tcp/http__198.18.2.2/8080");
         assert_eq!(ep[1], "update @aff-30-ns/web/tcp/http__198.18.2.2/8080 { ip saddr }");
         assert_eq!(ep[2], "meta l4proto tcp dnat to 198.18.2.2:8080");
         assert_eq!(f.sets.len(), 2);
-        assert!(f.sets.values().all(|b| b.contains("timeout 30s") && b.contains("dynamic")));
+        assert!(f.sets.values().map(SetType::to_string).all(|b| b.contains("timeout 30s") && b.contains("dynamic")));
     }
 
     #[test]
@@ -541,10 +473,11 @@ mod tests {
         sp.node_port = Some(30080);
         sp.external_ips = vec![ip("198.18.9.9"), ip("fd00::9")];
         let f = render(&desired(sp, eps(2), vec![], true));
-        assert_eq!(f.chains["ext-ns/web/tcp/http"], vec!["jump mark-for-masquerade".to_string(), "goto svc-ns/web/tcp/http".to_string()]);
-        assert!(f.elements.contains(&Element { set: SetName::Named(SERVICE_NODEPORTS), key: "tcp . 30080".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
-        assert!(f.elements.contains(&Element { set: SetName::Named(SERVICE_IPS), key: "198.18.9.9 . tcp . 80".into(), value: Some("goto ext-ns/web/tcp/http".into()) }));
-        assert!(!f.elements.iter().any(|e| e.key.contains("fd00")), "other-family addresses are not in the ip table");
+        assert_eq!(rules(&f, "ext-ns/web/tcp/http"), vec!["jump mark-for-masquerade".to_string(), "goto svc-ns/web/tcp/http".to_string()]);
+        let all = elements(&f);
+        assert!(all.contains(&el(SetName::Named(SERVICE_NODEPORTS), "tcp . 30080", Some("goto ext-ns/web/tcp/http"))));
+        assert!(all.contains(&el(SetName::Named(SERVICE_IPS), "198.18.9.9 . tcp . 80", Some("goto ext-ns/web/tcp/http"))));
+        assert!(!all.iter().any(|e| e.1.contains("fd00")), "other-family addresses are not in the ip table");
     }
 
     #[test]
@@ -555,12 +488,13 @@ mod tests {
         let mut local = eps(1);
         local[0].is_local = true;
         let f = render(&desired(sp.clone(), eps(2), local, true));
-        assert_eq!(f.chains["ext-ns/web/tcp/http"].last().map(String::as_str), Some("goto local-ns/web/tcp/http"));
+        assert_eq!(rules(&f, "ext-ns/web/tcp/http").last().map(String::as_str), Some("goto local-ns/web/tcp/http"));
         assert!(f.chains.contains_key("local-ns/web/tcp/http"));
         // No local endpoint: the NodePort drops (endpoints exist elsewhere), the ClusterIP still works.
         let f = render(&desired(sp, eps(2), vec![], true));
-        assert!(f.elements.contains(&Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key: "tcp . 30080".into(), value: Some("drop".into()) }));
-        assert!(f.elements.iter().any(|e| e.set == SetName::Named(SERVICE_IPS) && e.key.starts_with("198.19.0.10")));
+        let all = elements(&f);
+        assert!(all.contains(&el(SetName::Named(NO_ENDPOINT_NODEPORTS), "tcp . 30080", Some("drop"))));
+        assert!(all.iter().any(|e| e.0 == SetName::Named(SERVICE_IPS) && e.1.starts_with("198.19.0.10")));
     }
 
     #[test]
@@ -569,15 +503,15 @@ mod tests {
         sp.load_balancer_ips = vec![ip("198.18.8.8")];
         sp.load_balancer_source_ranges = vec!["198.18.5.0/24".parse().expect("net")];
         let f = render(&desired(sp, eps(1), vec![], true));
-        assert_eq!(f.chains["fw-ns/web/tcp/http"], vec!["ip saddr != { 198.18.5.0/24 } drop".to_string()]);
-        assert!(f.elements.contains(&Element { set: SetName::Named(FIREWALL_IPS), key: "198.18.8.8 . tcp . 80".into(), value: Some("goto fw-ns/web/tcp/http".into()) }));
+        assert_eq!(rules(&f, "fw-ns/web/tcp/http"), vec!["ip saddr != { 198.18.5.0/24 } drop".to_string()]);
+        assert!(elements(&f).contains(&el(SetName::Named(FIREWALL_IPS), "198.18.8.8 . tcp . 80", Some("goto fw-ns/web/tcp/http"))));
     }
 
     #[test]
     fn cluster_cidr_masquerades_off_cluster_sources() {
         let opts = RenderOptions { masquerade_all: false, cluster_cidrs: vec!["198.18.2.0/24".parse().expect("net")] };
         let f = render_port(&desired(port(), eps(1), vec![], true), IpFamily::V4, &opts, None, &mut SlotAllocator::default()).expect("r");
-        assert_eq!(f.chains["svc-ns/web/tcp/http"][0], "ip daddr 198.19.0.10 tcp dport 80 ip saddr != { 198.18.2.0/24 } jump mark-for-masquerade");
+        assert_eq!(rules(&f, "svc-ns/web/tcp/http")[0], "ip daddr 198.19.0.10 tcp dport 80 ip saddr != { 198.18.2.0/24 } jump mark-for-masquerade");
     }
 
     #[test]
@@ -600,7 +534,7 @@ mod tests {
             v6: Categorized { cluster: vec![Endpoint::ready(ip("fd00:2::1"), 5353)], local: vec![], has_any: true },
         };
         let f = render_port(&d, IpFamily::V6, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("r");
-        assert_eq!(f.chains["svc-ns/web/udp/53"], vec!["meta l4proto udp dnat to [fd00:2::1]:5353".to_string()]);
+        assert_eq!(rules(&f, "svc-ns/web/udp/53"), vec!["meta l4proto udp dnat to [fd00:2::1]:5353".to_string()]);
         let v4 = render_port(&d, IpFamily::V4, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("r");
         assert!(v4.is_empty());
     }

@@ -13,6 +13,8 @@
 //! Ranges are sized in powers of two so that an endpoint count change usually fits in the
 //! range already owned.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 
 /// Ranges (so rules bound to one map) per shard.

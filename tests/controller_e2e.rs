@@ -1187,6 +1187,62 @@ async fn service_reconciler_records_reports_and_releases() {
     }
 }
 
+/// A Service stored before the apiserver validated addresses strictly (written here straight
+/// into the apiserver's etcd: `clusterIP` with leading zeros) holds the address its text
+/// spells, as Kubernetes reads it: the controller records that address and posts no
+/// `ClusterIPNotValid` (it did until 2026-11-26; stock does not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stored_legacy_form_address_is_the_address_it_spells() {
+    use clusterip::store::etcd::{EtcdConfig, EtcdStore};
+    use clusterip::store::AllocationStore;
+    use k8s_openapi::api::events::v1::Event;
+    let cp = control_plane();
+    let slice = Slice(22);
+    let wh = Webhook::start(&cp, "etcd", slice).await;
+    let api: Api<Service> = Api::namespaced(wh.client.clone(), "default");
+    let name = unique_name("legacy");
+    let ip = slice.v4_static(77);
+    free_leftover(&wh.client, &ip.to_string(), |p| p.name.starts_with("legacy-")).await;
+    let IpAddr::V4(v4) = ip else { unreachable!("v4_static is IPv4") };
+    let [a, b, c, d] = v4.octets();
+    let legacy = format!("{a}.{b}.0{c}.00{d}");
+    let svc = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "default", "uid": uuid_for(&name), "creationTimestamp": "2030-01-01T00:00:00Z"},
+        "spec": {"clusterIP": legacy, "clusterIPs": [legacy], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "type": "ClusterIP",
+                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 80}], "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"},
+        "status": {"loadBalancer": {}}
+    });
+    let mut etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("connect to etcd");
+    etcd.put(format!("/registry/services/specs/default/{name}"), svc.to_string(), None).await.expect("write a Service into the apiserver's etcd");
+    let _cleanup = DeleteOnDrop(api.clone(), name.clone());
+    let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
+    let store = EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).unwrap(), clusterip::cidr::ServiceCidr::parse(&slice.v6()).unwrap()])
+        .await
+        .expect("open the controller's records");
+    let events: Api<Event> = Api::namespaced(wh.client.clone(), "default");
+    let ours = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str()) && e.reporting_controller.as_deref().is_some_and(|c| c.starts_with("clusterip"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let listed = events.list(&ListParams::default()).await.expect("list events");
+        let mine: Vec<String> = listed.items.iter().filter(|e| ours(e)).map(|e| format!("{:?} {:?}", e.reason, e.note)).collect();
+        assert!(!mine.iter().any(|e| e.contains("ClusterIPNotValid")), "{legacy} reported as not valid: {mine:?}");
+        // Recorded (by the Service reconciler or a repair pass) under the address it spells,
+        // and that said so in stock's words.
+        if store.has(ip).await.unwrap_or(false) && mine.iter().any(|e| e.contains("ClusterIPNotAllocated") && e.contains(&ip.to_string())) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{legacy} not recorded as {ip} within 120s; our Events: {mine:?}; the controller's log:\n{}", wh.children[0].log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A made-up uid for an object written straight into etcd (the apiserver serves it as is).
+fn uuid_for(name: &str) -> String {
+    let h = name.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+    format!("00000000-0000-4000-8000-{:012x}", h & 0xffff_ffff_ffff)
+}
+
 /// Deletes the Service (namespace, name) when dropped: a failed test leaves no address held.
 struct DeleteOnDrop(Api<Service>, String);
 

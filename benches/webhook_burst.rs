@@ -57,16 +57,12 @@ async fn webhook_buckets(url: &str, metric: &str, operation: &str) -> Vec<(f64, 
     v
 }
 
-/// A plain HTTP GET on loopback without another dependency.
+/// A plain HTTP GET of `http://host:port/path` (the test support's, without another
+/// dependency).
 async fn reqwest_lite(url: &str) -> Option<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let rest = url.strip_prefix("http://")?;
     let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
-    let mut s = tokio::net::TcpStream::connect(host).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+    clusterip_test_support::http_get(host, &path).await.map(|(_, body)| body)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

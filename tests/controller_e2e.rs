@@ -74,26 +74,61 @@ struct Webhook {
     namespace: String,
     client: Client,
     slice: Slice,
-    /// The IPv4 range the controllers assign from (the slice's, unless a test set its own).
-    v4_range: String,
+    /// The ranges the controllers assign from ([`Harness::ranges`]).
+    ranges: Vec<String>,
+}
+
+/// How a test's webhook is set up: [`Harness::new`] gives the defaults, which a test
+/// changes in its tweak closure.
+struct Harness {
+    backend: String,
+    slice: Slice,
+    /// The ranges the controllers assign from, IPv4 first: the slice's, unless a test needs
+    /// a small range (it must lie in the slice).
+    ranges: Vec<String>,
+    /// Controller flags besides the common ones ([`controller_common::controller_args`]):
+    /// by default the client-certificate flags that accept only the kube-apiserver
+    /// ([`controller_common::client_auth_args`]).
+    flags: Vec<String>,
+    /// One controller replica per kubeconfig, each reaching the apiserver its kubeconfig
+    /// names (identities replica-0, replica-1, …); by default one, on the control plane's.
+    kubeconfigs: Vec<std::path::PathBuf>,
+}
+
+impl Harness {
+    fn new(cp: &ControlPlane, backend: &str, slice: Slice, tweak: impl FnOnce(&mut Harness)) -> Harness {
+        let mut h = Harness {
+            backend: backend.into(),
+            slice,
+            ranges: vec![slice.v4(), slice.v6()],
+            flags: controller_common::client_auth_args(cp),
+            kubeconfigs: vec![cp.kubeconfig()],
+        };
+        tweak(&mut h);
+        h
+    }
+
+    /// `n` replicas on the first kubeconfig's apiserver.
+    fn replicas(&mut self, n: usize) {
+        self.kubeconfigs = vec![self.kubeconfigs[0].clone(); n];
+    }
+
+    /// Add controller flags.
+    fn flags(&mut self, extra: &[&str]) {
+        self.flags.extend(extra.iter().map(|s| s.to_string()));
+    }
 }
 
 impl Webhook {
     async fn start(cp: &ControlPlane, backend: &str, slice: Slice) -> Webhook {
-        Self::start_replicas(cp, backend, 1, slice).await
+        Self::start_with(cp, backend, slice, |_| {}).await
     }
 
-    /// `replicas` controller processes (identities replica-0, replica-1, …) sharing one
-    /// backend and one leader Lease, behind a round-robin TCP proxy the webhook URL names.
-    async fn start_replicas(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice) -> Webhook {
-        Self::start_replicas_with(cp, backend, replicas, slice, &[]).await
-    }
-
-    /// [`start_replicas`](Self::start_replicas) with `extra` controller flags.
-    async fn start_replicas_with(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice, extra: &[&str]) -> Webhook {
-        let mut auth = controller_common::client_auth_args(cp);
-        auth.extend(extra.iter().map(|s| s.to_string()));
-        let mut wh = Self::register(cp, backend, replicas, slice, &auth).await;
+    /// The controllers of the harness `tweak` makes, sharing one backend and one leader
+    /// Lease behind a round-robin TCP proxy the webhook URL names, once the apiserver calls
+    /// the webhook.
+    async fn start_with(cp: &ControlPlane, backend: &str, slice: Slice, tweak: impl FnOnce(&mut Harness)) -> Webhook {
+        let mut wh = Self::register(cp, Harness::new(cp, backend, slice, tweak)).await;
         wh.wait_registered().await;
         wh
     }
@@ -123,24 +158,18 @@ impl Webhook {
         }
     }
 
-    /// The controllers (with `auth`: their client-certificate flags) and the registration,
-    /// without waiting for the apiserver to call the webhook.
-    async fn register(cp: &ControlPlane, backend: &str, replicas: usize, slice: Slice, auth: &[String]) -> Webhook {
-        Self::register_on(cp, backend, slice, auth, &vec![cp.kubeconfig(); replicas]).await
-    }
-
-    /// [`register`](Self::register) with one replica per kubeconfig, each reaching the
-    /// apiserver its kubeconfig names (HA control planes: one replica per apiserver).
-    async fn register_on(cp: &ControlPlane, backend: &str, slice: Slice, auth: &[String], kubeconfigs: &[std::path::PathBuf]) -> Webhook {
-        let replicas = kubeconfigs.len();
+    /// The controllers and the registration, without waiting for the apiserver to call the
+    /// webhook.
+    async fn register(cp: &ControlPlane, h: Harness) -> Webhook {
+        let slice = h.slice;
         let client = cp.client().await;
         let name = unique_name("e2e");
         let pki = cp.dir().join("pki");
         remove_leftover_blocks(&client, slice).await;
         let mut children = Vec::new();
         let mut ports = Vec::new();
-        for i in 0..replicas {
-            let c = spawn_controller(cp, backend, &name, i, slice, auth, &kubeconfigs[i]);
+        for i in 0..h.kubeconfigs.len() {
+            let c = spawn_controller(cp, &h, &name, i);
             c.wait_ready().await;
             ports.push(c.webhook_port);
             children.push(c);
@@ -149,11 +178,7 @@ impl Webhook {
         let webhook_port = proxy.local_addr().expect("proxy address").port();
         let (routes, routed) = tokio::sync::watch::channel(ports.clone());
         tokio::spawn(round_robin(proxy, routed));
-        let v4_range = match auth.iter().position(|a| a == "--service-cidr") {
-            Some(i) => auth.get(i + 1).and_then(|r| r.split(',').next()).unwrap_or_default().to_string(),
-            None => slice.v4(),
-        };
-        let wh = Webhook { children, ports, routes, name: name.clone(), namespace: name.clone(), client: client.clone(), slice, v4_range };
+        let wh = Webhook { children, ports, routes, name: name.clone(), namespace: name.clone(), client: client.clone(), slice, ranges: h.ranges };
 
         let ca = std::fs::read(pki.join("ca.crt")).expect("dev CA");
         use base64::Engine as _;
@@ -199,7 +224,7 @@ impl Webhook {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             match api.create(&dry, &probe).await {
-                Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(&format!("The range of valid IPs is {}", self.v4_range)) => return,
+                Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(&format!("The range of valid IPs is {}", self.v4_range())) => return,
                 Ok(_) => {}
                 Err(e) => panic!("probing the webhook registration: {e}"),
             }
@@ -210,6 +235,11 @@ impl Webhook {
 
     fn in_dynamic_band(&self, ip: IpAddr) -> bool {
         self.slice.in_dynamic_band(ip)
+    }
+
+    /// The IPv4 range the controllers assign from.
+    fn v4_range(&self) -> &str {
+        self.ranges.iter().find(|r| !r.contains(':')).map(String::as_str).unwrap_or_default()
     }
 }
 
@@ -230,22 +260,10 @@ impl Drop for Webhook {
     }
 }
 
-/// Start one controller replica (it picks its own ports) with `auth`, its client-certificate
-/// flags ([`controller_common::client_auth_args`]: only the kube-apiserver's certificate).
-/// A controller for `slice`'s ranges — or, when `auth` carries `--service-cidr R`, for R
-/// (a test that needs a small range; R must lie in the slice).
-fn spawn_controller(cp: &ControlPlane, backend: &str, name: &str, replica: usize, slice: Slice, auth: &[String], kubeconfig: &std::path::Path) -> Controller {
-    let mut flags = auth.to_vec();
-    let ranges = match flags.iter().position(|a| a == "--service-cidr") {
-        Some(i) if i + 1 < flags.len() => {
-            let r = flags.remove(i + 1);
-            flags.remove(i);
-            r
-        }
-        _ => format!("{},{}", slice.v4(), slice.v6()),
-    };
-    let base = controller_common::controller_args(cp, backend, &ranges, name, "default", &format!("replica-{replica}"), kubeconfig);
-    Controller::start(flags.into_iter().chain(base))
+/// Start controller replica `replica` of the harness (it picks its own ports).
+fn spawn_controller(cp: &ControlPlane, h: &Harness, name: &str, replica: usize) -> Controller {
+    let base = controller_common::controller_args(cp, &h.backend, &h.ranges.join(","), name, "default", &format!("replica-{replica}"), &h.kubeconfigs[replica]);
+    Controller::start(h.flags.iter().cloned().chain(base))
 }
 
 /// Forward each connection to the next routed replica that accepts it (TLS passes
@@ -484,10 +502,7 @@ async fn lifecycle_cases(backend: &str, slice: Slice) {
     let cp = control_plane();
     // A short in-flight limit, so an answered address whose request failed comes back
     // within the test.
-    let mut args = controller_common::client_auth_args(&cp);
-    args.extend(["--in-flight-limit".to_string(), "20s".to_string()]);
-    let mut wh = Webhook::register(&cp, backend, 1, slice, &args).await;
-    wh.wait_registered().await;
+    let wh = Webhook::start_with(&cp, backend, slice, |h| h.flags(&["--in-flight-limit", "20s"])).await;
     let api = wh.services();
     let create = |svc: Service| {
         let api = api.clone();
@@ -655,7 +670,7 @@ async fn concurrent_creates(backend: &str, n: usize, slice: Slice) {
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
     // Two replicas behind a round-robin proxy, as the Deployment runs them.
-    let wh = Webhook::start_replicas(&cp, backend, 2, slice).await;
+    let wh = Webhook::start_with(&cp, backend, slice, |h| h.replicas(2)).await;
     let api = wh.services();
     let results = futures::future::join_all((0..n).map(|i| {
         let api = api.clone();
@@ -715,7 +730,11 @@ async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over(
     let cp = control_plane();
     let slice = Slice(13);
     let flags = ["--address-block-size", "32", "--address-block-lease-duration", "12s", "--address-block-margin", "6s"];
-    let wh = Webhook::start_replicas_with(&cp, "ipaddress", 2, slice, &flags).await;
+    let wh = Webhook::start_with(&cp, "ipaddress", slice, |h| {
+        h.replicas(2);
+        h.flags(&flags);
+    })
+    .await;
     let api = wh.services();
     let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
     let v4 = clusterip::cidr::ServiceCidr::parse(&slice.v4()).expect("v4 slice");
@@ -791,8 +810,12 @@ async fn etcd_backend_paused_replica_never_hands_out_a_pooled_address_it_lost() 
     let cp = control_plane();
     let slice = Slice(16);
     let range = "198.19.128.0/26";
-    let flags = ["--service-cidr", range, "--repair-interval", "1s"];
-    let wh = Webhook::start_replicas_with(&cp, "etcd", 2, slice, &flags).await;
+    let wh = Webhook::start_with(&cp, "etcd", slice, |h| {
+        h.replicas(2);
+        h.ranges = vec![range.to_string()];
+        h.flags(&["--repair-interval", "1s"]);
+    })
+    .await;
     let api = wh.services();
     let etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("connect to etcd");
     let prefix = format!("/clusterip-test/{}/", wh.name);
@@ -878,7 +901,7 @@ async fn leader_killed_during_a_burst(backend: &str, slice: Slice) {
     use k8s_openapi::api::coordination::v1::Lease;
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
-    let mut wh = Webhook::start_replicas(&cp, backend, 2, slice).await;
+    let mut wh = Webhook::start_with(&cp, backend, slice, |h| h.replicas(2)).await;
     let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
     let holder = |l: Option<Lease>| l.and_then(|l| l.spec).and_then(|s| s.holder_identity);
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -1264,7 +1287,7 @@ impl Drop for DeleteOnDrop {
 async fn a_webhook_that_does_not_accept_the_apiservers_certificate_admits_nothing() {
     let cp = control_plane();
     let auth: Vec<String> = ["--client-ca-file", cp.var("CLUSTERIP_WEBHOOK_CLIENT_CA"), "--allowed-client-names", "someone-else"].iter().map(|s| s.to_string()).collect();
-    let wh = Webhook::register(&cp, "etcd", 1, Slice(9), &auth).await;
+    let wh = Webhook::register(&cp, Harness::new(&cp, "etcd", Slice(9), |h| h.flags = auth)).await;
     let api = wh.services();
     // The apiserver picks the registration up asynchronously: until then creates succeed
     // (dry runs here, so nothing is held); then every create fails at the TLS handshake.
@@ -1365,8 +1388,7 @@ async fn ha_apiservers_one_restarted_mid_burst(backend: &str, slice: Slice, tag:
     let _one_at_a_time = BURST.lock().await;
     let cp = ControlPlane::private_with(tag, &[("CLUSTERIP_APISERVERS", "2")]);
     let kubeconfig_2 = std::path::PathBuf::from(cp.var("KUBECONFIG_2"));
-    let auth = controller_common::client_auth_args(&cp);
-    let mut wh = Webhook::register_on(&cp, backend, slice, &auth, &[cp.kubeconfig(), kubeconfig_2.clone()]).await;
+    let mut wh = Webhook::register(&cp, Harness::new(&cp, backend, slice, |h| h.kubeconfigs = vec![cp.kubeconfig(), kubeconfig_2.clone()])).await;
     wh.wait_registered().await;
     let client_2 = cp.client_from(&kubeconfig_2).await;
     let apis = [wh.services(), Api::<Service>::namespaced(client_2.clone(), &wh.namespace)];

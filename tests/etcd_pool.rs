@@ -8,7 +8,7 @@ mod store_common;
 use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clusterip::alloc::AllocError;
 use clusterip::cidr::Family;
@@ -16,24 +16,12 @@ use clusterip::repair::{Kind, Repairer, Target};
 use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::etcd_pool::{decode_pool, LEASE_TTL};
 use clusterip::store::{AllocationStore, StoreError};
+use clusterip_test_support::eventually;
 use store_common::{Backend, Fixture};
 
 async fn open(fx: &Fixture, pool: usize) -> EtcdStore {
     let cfg = EtcdConfig { pool_size: pool, ..fx.etcd_config() };
     EtcdStore::open(&cfg, fx.cidrs.clone()).await.expect("open etcd store")
-}
-
-/// Wait until `cond` holds, or fail with `what` after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Every address listed under any pool key of the fixture's ranges, read from etcd.
@@ -56,7 +44,7 @@ async fn cleanup(fx: &Fixture) {
 async fn pooled_addresses_are_free_to_every_reader_and_not_leaks() {
     let fx = Fixture::new(Backend::Etcd, &["198.18.96.0/24"]).await;
     let a = open(&fx, 16).await;
-    eventually(Duration::from_secs(60), "the pool is filled", || async { a.pool_ready() }).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { a.pool_ready() }).await;
     let pooled = pool_keys(&fx).await;
     assert_eq!(pooled.len(), 16, "the pool key lists the whole pool");
     let reader = open(&fx, 0).await;
@@ -75,7 +63,7 @@ async fn pooled_addresses_are_free_to_every_reader_and_not_leaks() {
         IpAddr::V6(_) => panic!("asked for IPv4"),
     }) & 0xff;
     assert!(off > 16, "{ip} is in the dynamic band of a /24 (static band: the first 16)");
-    eventually(Duration::from_secs(60), "another reader sees the handed-out address as a record", || async {
+    eventually("another reader sees the handed-out address as a record", Duration::from_secs(60), || async {
         reader.allocated().await.map(|v| v == vec![ip]).unwrap_or(false)
     })
     .await;
@@ -95,8 +83,8 @@ async fn pooled_addresses_are_free_to_every_reader_and_not_leaks() {
     let still = *pool_keys(&fx).await.iter().next().expect("a pooled address");
     reader.release(still).await.expect("release of a pooled address");
     assert!(!reader.has(still).await.expect("has"), "{still} is free");
-    eventually(Duration::from_secs(60), "its former owner sees it free too", || async { !a.has(still).await.unwrap_or(true) }).await;
-    eventually(Duration::from_secs(60), "the owner's pool key stops listing it", || async { !pool_keys(&fx).await.contains(&still) }).await;
+    eventually("its former owner sees it free too", Duration::from_secs(60), || async { !a.has(still).await.unwrap_or(true) }).await;
+    eventually("the owner's pool key stops listing it", Duration::from_secs(60), || async { !pool_keys(&fx).await.contains(&still) }).await;
     assert!(!reader.allocated().await.expect("allocated").contains(&still));
     drop((a, reader));
     cleanup(&fx).await;
@@ -106,11 +94,11 @@ async fn pooled_addresses_are_free_to_every_reader_and_not_leaks() {
 async fn a_static_request_for_another_replicas_pooled_address_is_granted_once() {
     let fx = Fixture::new(Backend::Etcd, &["198.18.97.0/24"]).await;
     let owner = open(&fx, 16).await;
-    eventually(Duration::from_secs(60), "the pool is filled", || async { owner.pool_ready() }).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { owner.pool_ready() }).await;
     let other = open(&fx, 0).await;
     let pooled = pool_keys(&fx).await;
     let wanted = *pooled.iter().next().expect("a pooled address");
-    eventually(Duration::from_secs(60), "the other replica sees the pool key", || async { !other.has(wanted).await.unwrap_or(true) }).await;
+    eventually("the other replica sees the pool key", Duration::from_secs(60), || async { !other.has(wanted).await.unwrap_or(true) }).await;
 
     other.allocate(wanted, None).await.expect("a static request for a pooled address is honoured");
     assert!(other.has(wanted).await.expect("has"), "now a record");
@@ -135,7 +123,7 @@ async fn a_static_request_for_another_replicas_pooled_address_is_granted_once() 
     // Another replica releases an address the owner handed out (its Service was deleted),
     // even while the owner's pool key may still list it: the map lets it go.
     other.release(gone).await.expect("release of a handed-out address");
-    eventually(Duration::from_secs(60), "the released address is free in etcd", || async {
+    eventually("the released address is free in etcd", Duration::from_secs(60), || async {
         let fresh = open(&fx, 0).await;
         !fresh.allocated().await.unwrap_or_default().contains(&gone)
     })
@@ -144,7 +132,7 @@ async fn a_static_request_for_another_replicas_pooled_address_is_granted_once() 
     // The owner's own static request for one of its pooled addresses takes it from the pool.
     // (The pool key may still list addresses handed out a moment ago; the owner judges by
     // memory, where a pooled address reads as free.)
-    eventually(Duration::from_secs(60), "the pool is refilled", || async { owner.pool_ready() }).await;
+    eventually("the pool is refilled", Duration::from_secs(60), || async { owner.pool_ready() }).await;
     let mut mine = None;
     for ip in pool_keys(&fx).await {
         if !owner.has(ip).await.expect("has") {
@@ -166,7 +154,7 @@ async fn two_pooled_replicas_and_static_claims_never_share_an_address() {
     // address still pooled (granted), some lose to a hand-out (refused).
     let a = Arc::new(open(&fx, 200).await);
     let b = Arc::new(open(&fx, 200).await);
-    eventually(Duration::from_secs(60), "both pools are filled", || async { a.pool_ready() && b.pool_ready() }).await;
+    eventually("both pools are filled", Duration::from_secs(60), || async { a.pool_ready() && b.pool_ready() }).await;
     // Static requests aim at whatever is pooled right now, so about half are claims on the
     // other replica's pool and half take from their own.
     let targets: Vec<IpAddr> = pool_keys(&fx).await.into_iter().step_by(3).collect();
@@ -201,7 +189,7 @@ async fn two_pooled_replicas_and_static_claims_never_share_an_address() {
     assert!(got.iter().any(|(_, k)| *k == "static"), "some claims were granted");
     // Every handed-out address is durable: a new reader sees each as a record.
     let reader = open(&fx, 0).await;
-    eventually(Duration::from_secs(60), "every handed-out address is a record", || async {
+    eventually("every handed-out address is a record", Duration::from_secs(60), || async {
         let all: HashSet<IpAddr> = reader.allocated().await.unwrap_or_default().into_iter().collect();
         unique.iter().all(|ip| all.contains(ip))
     })
@@ -217,11 +205,11 @@ async fn a_closed_pool_is_free_at_once_and_a_dead_replicas_pool_expires_into_lea
 
     // Shut down cleanly: the pool's addresses leave the map, the handed-out one stays.
     let a = open(&fx, 8).await;
-    eventually(Duration::from_secs(60), "the pool is filled", || async { a.pool_ready() }).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { a.pool_ready() }).await;
     let kept = a.allocate_next(Family::IPv6, None).await.expect("allocate_next");
     a.close().await.expect("close");
     assert!(pool_keys(&fx).await.is_empty(), "no pool key after close");
-    eventually(Duration::from_secs(60), "only the handed-out address is used", || async {
+    eventually("only the handed-out address is used", Duration::from_secs(60), || async {
         reader.usage().await.map(|u| u.iter().map(|r| r.used + r.pooled).sum::<u64>() == 1).unwrap_or(false)
     })
     .await;
@@ -230,12 +218,12 @@ async fn a_closed_pool_is_free_at_once_and_a_dead_replicas_pool_expires_into_lea
     // Die without closing: the pool key goes with the lease, and its addresses become
     // records no Service holds — leaks for the repair pass, never silently free.
     let b = open(&fx, 8).await;
-    eventually(Duration::from_secs(60), "the pool is filled", || async { b.pool_ready() }).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { b.pool_ready() }).await;
     let orphaned = pool_keys(&fx).await;
     assert_eq!(orphaned.len(), 16, "8 per range");
     drop(b);
-    eventually(LEASE_TTL * 2, "the dead replica's pool key expires", || async { pool_keys(&fx).await.is_empty() }).await;
-    eventually(Duration::from_secs(60), "the orphaned pool reads as records", || async {
+    eventually("the dead replica's pool key expires", LEASE_TTL * 2, || async { pool_keys(&fx).await.is_empty() }).await;
+    eventually("the orphaned pool reads as records", Duration::from_secs(60), || async {
         let all: BTreeSet<IpAddr> = reader.allocated().await.unwrap_or_default().into_iter().collect();
         orphaned.iter().all(|ip| all.contains(ip))
     })
@@ -249,7 +237,7 @@ async fn pools_never_make_a_range_look_full_before_it_is() {
     // /25: 126 usable, static band 16, dynamic 110: a pool of at most 13.
     let fx = Fixture::new(Backend::Etcd, &["198.18.95.0/25"]).await;
     let holder = open(&fx, 64).await;
-    eventually(Duration::from_secs(60), "the pool is filled", || async { holder.pool_ready() }).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { holder.pool_ready() }).await;
     assert_eq!(holder.pooled(), vec![13], "capped at an eighth of the dynamic band");
     let other = open(&fx, 0).await;
     // Every address of the range, the holder's pooled ones included (claimed from it).

@@ -24,7 +24,7 @@ use kube::api::{Api, DeleteParams};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use clusterip_test_support::{control_plane, owned_temp_dir, unique_name, ControlPlane};
+use clusterip_test_support::{control_plane, local_get, owned_temp_dir, unique_name, ControlPlane};
 use controller_common::{metric, Controller};
 
 const RANGES: &str = "198.19.80.0/21,fd00:10:96::5000/117";
@@ -144,12 +144,8 @@ async fn wait_until(what: &str, limit: Duration, logs: &[&Controller], mut f: im
 
 /// The replica's `leader_election_master_status` for the Lease.
 async fn master_status(c: &Controller, name: &str) -> Option<f64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = TcpStream::connect(("127.0.0.1", c.metrics_port)).await.ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.ok()?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.ok()?;
-    metric(&String::from_utf8_lossy(&buf), &format!("leader_election_master_status{{name=\"{NAMESPACE}/{name}\"}}"))
+    let (_, body) = local_get(c.metrics_port, "/metrics").await?;
+    metric(&body, &format!("leader_election_master_status{{name=\"{NAMESPACE}/{name}\"}}"))
 }
 
 async fn holder(leases: &Api<Lease>, name: &str) -> Option<String> {

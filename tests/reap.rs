@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use clusterip_test_support::{
     control_plane, die_with_parent, die_with_parent_tokio, netns_name, owned_temp_dir, proc_start_time, process_alive,
-    repo_root, ControlPlane,
+    repo_root, wait_until, ControlPlane,
 };
 
 /// Tests that start clusters or whole runs take turns (2 cores; bounded load).
@@ -39,19 +39,10 @@ fn is_root() -> bool {
     root
 }
 
-/// Poll `cond` every 100 ms until it holds; panic with `what` after `limit`.
-fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !cond() {
-        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// Wait for a child with a deadline.
 fn wait_child(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
     let mut status = None;
-    wait_until(limit, what, || {
+    wait_until(what, limit, || {
         status = child.try_wait().expect("try_wait");
         status.is_some()
     });
@@ -190,7 +181,7 @@ fn die_with_parent_child_dies_with_the_spawning_thread() {
     })
     .join()
     .unwrap();
-    wait_until(Duration::from_secs(30), "tokio child of an ended thread is killed", || proc_start_time(pid).is_none());
+    wait_until("tokio child of an ended thread is killed", Duration::from_secs(30), || proc_start_time(pid).is_none());
 }
 
 /// A cluster whose owner is SIGKILLed is stopped by its watchdog, without a reap.
@@ -209,7 +200,7 @@ fn owned_cluster_stops_when_its_owner_is_killed() {
 
     owner.kill().unwrap();
     owner.wait().unwrap();
-    wait_until(Duration::from_secs(120), "the watchdog stops the cluster of a killed owner", || {
+    wait_until("the watchdog stops the cluster of a killed owner", Duration::from_secs(120), || {
         !dir.exists() && procs.iter().all(|&(p, s)| !process_alive(p, s))
     });
     assert!(!registry_mentions(&dir), "port registry still names {}", dir.display());
@@ -242,7 +233,7 @@ fn reap_removes_what_dead_owners_left_and_nothing_else() {
     let mut in_ns = die_with_parent(Command::new("ip").args(["netns", "exec", &dead_ns, "sleep", "600"])).spawn().unwrap();
     let live_ns = netns_name("reaplive");
     sh(&["ip", "netns", "add", &live_ns]);
-    wait_until(Duration::from_secs(30), "sleep runs in the namespace", || {
+    wait_until("sleep runs in the namespace", Duration::from_secs(30), || {
         fs::read_link(format!("/proc/{}/ns/net", in_ns.id())).ok() != fs::read_link("/proc/self/ns/net").ok()
     });
 
@@ -419,9 +410,9 @@ fn victim_of_reap_test() {
         .arg(&cap_file)
         .spawn()
         .unwrap();
-    wait_until(Duration::from_secs(60), "run-capped.sh started", || cap_file.exists());
+    wait_until("run-capped.sh started", Duration::from_secs(60), || cap_file.exists());
     let cap = fs::read_to_string(&cap_file).unwrap();
-    wait_until(Duration::from_secs(30), "the setsid'd processes have exec'd", || {
+    wait_until("the setsid'd processes have exec'd", Duration::from_secs(30), || {
         fs::read_link(format!("/proc/{}/ns/net", netns_child.id())).ok() != fs::read_link("/proc/self/ns/net").ok()
     });
 

@@ -13,7 +13,6 @@
 mod controller_common;
 
 use std::collections::BTreeSet;
-use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use clusterip::cidr::ServiceCidr;
@@ -21,7 +20,7 @@ use clusterip::repair::{Action, Repairer, Target};
 use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
 use clusterip::store::{AllocationStore, ParentRef};
-use clusterip_test_support::{block_on_drop, control_plane, free_leftover, unique_name, ControlPlane};
+use clusterip_test_support::{block_on_drop, control_plane, eventually, free_leftover, ip, local_get, unique_name, ControlPlane};
 use controller_common::{metric, Controller};
 use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
@@ -125,23 +124,6 @@ fn set(rows: &[(&str, &str)]) -> BTreeSet<(String, String)> {
     rows.iter().map(|(k, a)| (k.to_string(), a.to_string())).collect()
 }
 
-fn ip(s: &str) -> IpAddr {
-    s.parse().expect("test address")
-}
-
-/// Poll `f` until it returns true; fail with `what` after `secs`.
-async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f().await {
-        assert!(Instant::now() < deadline, "{what} within {secs}s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 async fn warning_reasons(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, String)> {
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
     let list = events.list(&ListParams::default()).await.expect("list events");
@@ -230,10 +212,10 @@ async fn etcd_backend_drift_is_reported_then_fixed() {
     assert_eq!(fixed.finding("missing-record", "fd00:10:96::c2")["result"], "applied");
     assert_eq!(fixed.finding("leak", "198.19.0.200")["result"], "not-applied");
     assert_eq!(fixed.json["remaining"], 2);
-    eventually(120, "the missing records recorded", || async { store.has(ip("198.19.0.194")).await.unwrap_or(false) && store.has(ip("fd00:10:96::c2")).await.unwrap_or(false) }).await;
+    eventually("the missing records recorded", Duration::from_secs(120), || async { store.has(ip("198.19.0.194")).await.unwrap_or(false) && store.has(ip("fd00:10:96::c2")).await.unwrap_or(false) }).await;
     assert!(store.has(ip("198.19.0.200")).await.expect("has"), "a leak seen once must not be released");
     let client = cp.client().await;
-    eventually(120, "ClusterIPNotAllocated Event on the Service", || async {
+    eventually("ClusterIPNotAllocated Event on the Service", Duration::from_secs(120), || async {
         // (kube's Recorder folds repeats of one reason on one object into a series: the
         // first note is the one kept.)
         warning_reasons(&client, &ns.name, "unrecorded").await.iter().any(|(r, m)| {
@@ -247,7 +229,7 @@ async fn etcd_backend_drift_is_reported_then_fixed() {
     let now = repair(&[args.clone(), strs(&["--fix", "--release-leaks-now"])].concat()).await;
     assert_eq!(now.code, 0, "{:#}", now.json);
     assert_eq!(now.rows(), set(&[("leak", "198.19.0.200"), ("leak", "fd00:10:96::c9")]));
-    eventually(120, "the leaks released", || async { !store.has(ip("198.19.0.200")).await.unwrap_or(true) && !store.has(ip("fd00:10:96::c9")).await.unwrap_or(true) }).await;
+    eventually("the leaks released", Duration::from_secs(120), || async { !store.has(ip("198.19.0.200")).await.unwrap_or(true) && !store.has(ip("fd00:10:96::c9")).await.unwrap_or(true) }).await;
     let clean = repair(&args).await;
     assert_eq!(clean.code, 0, "{:#}", clean.json);
     assert!(clean.findings().is_empty());
@@ -275,7 +257,7 @@ async fn etcd_leak_is_released_on_the_third_pass_and_not_before() {
     assert_eq!(r.report.findings.len(), 1);
     assert_eq!(r.report.findings[0].action, Action::Release);
     assert_eq!(r.remaining(), 0);
-    eventually(120, "the leak released on the 3rd pass", || async { !store.has(ip("198.18.160.77")).await.unwrap_or(true) }).await;
+    eventually("the leak released on the 3rd pass", Duration::from_secs(120), || async { !store.has(ip("198.18.160.77")).await.unwrap_or(true) }).await;
     let r = repairer.run_once(true, false, None).await.expect("pass 4");
     assert!(r.report.findings.is_empty(), "{:#?}", r.report.findings);
     drop(repairer);
@@ -329,7 +311,7 @@ async fn ipaddress_backend_drift_is_reported_then_fixed() {
 
     // With a 0s grace the (now older) leak is released, and the next dry run is clean.
     let grace0 = [args.clone(), strs(&["--fix", "--grace-period", "0s"])].concat();
-    eventually(120, "the leak released once older than the grace period", || async {
+    eventually("the leak released once older than the grace period", Duration::from_secs(120), || async {
         let r = repair(&grace0).await;
         r.code == 0
     })
@@ -352,7 +334,7 @@ async fn audit_reports_the_apiservers_orphans_and_changes_nothing() {
     .expect("ipaddress");
     let api: Api<IPAddress> = Api::all(client.clone());
     let _ = api.delete("198.19.0.250", &DeleteParams::default()).await;
-    eventually(120, "a leftover 198.19.0.250 deleted", || async { api.get_opt("198.19.0.250").await.ok().flatten().is_none() }).await;
+    eventually("a leftover 198.19.0.250 deleted", Duration::from_secs(120), || async { api.get_opt("198.19.0.250").await.ok().flatten().is_none() }).await;
     api.create(&PostParams::default(), &obj).await.expect("seed the apiserver's orphan");
 
     let audit = repair(&strs(&["--audit-apiserver", "--kubeconfig", &cp.kubeconfig().display().to_string()])).await;
@@ -411,12 +393,7 @@ async fn errors_exit_2_with_one_line() {
 
 /// `/metrics` of a controller, as text ("" while it is not answering).
 async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else { return String::new() };
-    let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf).await;
-    String::from_utf8_lossy(&buf).into_owned()
+    local_get(port, "/metrics").await.map(|(_, body)| body).unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -513,7 +490,7 @@ async fn etcd_backend_reports_drift_the_apiserver_would_refuse() {
         etcd.put(key.as_str(), value.as_str(), None).await.expect("write a Service into the apiserver's etcd");
     }
     let services = ns.services();
-    eventually(120, "the apiserver serves the injected Services", || async {
+    eventually("the apiserver serves the injected Services", Duration::from_secs(120), || async {
         services.list(&ListParams::default()).await.map(|l| l.items.len() == 5).unwrap_or(false)
     })
     .await;
@@ -539,7 +516,7 @@ async fn etcd_backend_reports_drift_the_apiserver_would_refuse() {
     assert!(store.has(ip("198.19.0.209")).await.expect("has"));
     let client = cp.client().await;
     for (name, reason) in [("second", "ClusterIPAlreadyAllocated"), ("outside", "ClusterIPOutOfRange"), ("malformed", "ClusterIPNotValid")] {
-        eventually(120, &format!("{reason} Event on {name}"), || async { warning_reasons(&client, &ns.name, name).await.iter().any(|(r, _)| r == reason) }).await;
+        eventually(&format!("{reason} Event on {name}"), Duration::from_secs(120), || async { warning_reasons(&client, &ns.name, name).await.iter().any(|(r, _)| r == reason) }).await;
     }
     // (Posted by the same passes as the Events above, so it would be there by now. The
     // apiserver's own IPAddress repair reads the legacy form as 198.19.0.210 too: it may post

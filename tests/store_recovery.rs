@@ -26,7 +26,7 @@ use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::etcd::{owner_key, range_key, EtcdConfig, EtcdStore};
 use clusterip::store::etcd_pool::{claim_key, decode_pool, pool_prefix};
 use clusterip::store::{record_missing, AllocationStore, ParentRef, StoreError};
-use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use clusterip_test_support::{control_plane, local_get, unique_name, ControlPlane};
 use controller_common::{client_auth_args, controller_args, metric, Controller};
 use etcd_client::GetOptions;
 
@@ -35,15 +35,7 @@ const SLICE_V6: &str = "fd00:10:96::7000/117";
 
 /// GET `path` on the controller's metrics port: (status code, body).
 async fn get(port: u16, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else { return (0, String::new()) };
-    let _ = s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await;
-    let mut buf = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut buf)).await;
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (code, body)
+    local_get(port, path).await.unwrap_or((0, String::new()))
 }
 
 /// Poll `/readyz` until `want(code, body)`; the last answer.

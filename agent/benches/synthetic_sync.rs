@@ -13,7 +13,6 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::IpAddr;
 use std::time::Instant;
 
 use clusterip_agent::model::service::ServicePort;
@@ -24,10 +23,7 @@ use clusterip_agent::netns::Executor;
 use clusterip_agent::nftables::render::RenderOptions;
 use clusterip_agent::nftables::{NftablesProxier, DEFAULT_MAX_OPS};
 use clusterip_agent::proxier::{Proxier, SyncBatch};
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().expect("ip")
-}
+use common::ip;
 
 fn service(i: usize, generation: usize) -> (NamespacedName, Vec<DesiredPort>) {
     service_with(i, generation, 10)

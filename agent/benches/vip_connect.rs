@@ -10,7 +10,6 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use clusterip_agent::model::service::ServicePort;
@@ -21,11 +20,7 @@ use clusterip_agent::netns::Executor;
 use clusterip_agent::nftables::render::RenderOptions;
 use clusterip_agent::nftables::NftablesProxier;
 use clusterip_agent::proxier::{Proxier, SyncBatch};
-use common::{sa, Topology, TCP_PORT};
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().expect("ip")
-}
+use common::{ip, sa, Topology, TCP_PORT};
 
 fn service(i: usize, eps: Vec<Endpoint>) -> (NamespacedName, Vec<DesiredPort>) {
     let vip = ip(&format!("198.19.{}.{}", i / 250, i % 250 + 1));

@@ -4,44 +4,12 @@
 //! their own per input (`unshare --net`; root, as the agent's other kernel tests);
 //! `CLUSTERIP_FUZZ_NFT=0` turns those checks off. See docs/reliability.md ("Fuzzing").
 
-use std::path::{Path, PathBuf};
-
 use clusterip_agent::fuzzing;
+use clusterip_test_support::fuzz::corpus_dir;
 
-fn corpus_dir(target: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fuzz/corpus").join(target)
-}
-
-/// The files of a target's corpus, sorted (at least one: an empty corpus is a mistake).
-fn corpus(target: &str) -> Vec<(String, Vec<u8>)> {
-    let dir = corpus_dir(target);
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap_or_else(|e| panic!("{}: {e}", dir.display())).path())
-        .filter(|p| p.is_file())
-        .map(|p| {
-            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-            (name, bytes)
-        })
-        .collect();
-    files.sort();
-    assert!(!files.is_empty(), "no corpus files in {}", dir.display());
-    files
-}
-
-/// Every file through the harness; at least one must get past the code's refusals to the
-/// invariant checks (a corpus of inputs that all bounce off the parser tests little).
+/// Every file of the target's corpus through the harness.
 fn replay(target: &str) {
-    let mut checked = 0;
-    for (name, bytes) in corpus(target) {
-        match std::panic::catch_unwind(|| fuzzing::run(target, &bytes)) {
-            Ok(Some(deep)) => checked += usize::from(deep),
-            Ok(None) => panic!("unknown target {target}"),
-            Err(_) => panic!("{target}: corpus file {name} fails the harness (its message is above)"),
-        }
-    }
-    assert!(checked > 0, "{target}: no corpus file reaches the invariant checks");
+    clusterip_test_support::fuzz::replay(target, fuzzing::run);
 }
 
 #[test]

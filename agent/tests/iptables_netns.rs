@@ -20,16 +20,16 @@ fn iptables_mode_spreads_rejects_follows_changes_and_cleans_up() {
     let kns = KubeNs::new(rt);
     let topo = Topology::new(3);
     let ns = topo.node.name.clone();
-    let proxy = unique("i");
+    let proxy = short_name("i");
     let mut agent = Agent::start(&ns, &KubeNs::kubeconfig(), &proxy, &["--mode", "iptables"]);
 
     let svc = kns.service(&proxy, "web", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
     let vip = cluster_ip(&svc, false);
     let mut eps: Vec<Ep> = (0..3).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
-    kns.slice("web", "web-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    kns.slice("web", &eps, |_| {});
     let empty = kns.service(&proxy, "empty", json!({"ports": [{"port": 81, "targetPort": TCP_PORT}]}));
     let empty_vip = cluster_ip(&empty, false);
-    kns.slice("empty", "empty-1", "IPv4", "", "TCP", TCP_PORT, &[]);
+    kns.slice("empty", &[], |_| {});
 
     let addr = sa(&vip, 80);
     wait_for("the VIP to answer", SYNC, || topo.tcp_get(addr, Duration::from_millis(500)).ok());
@@ -52,7 +52,7 @@ fn iptables_mode_spreads_rejects_follows_changes_and_cleans_up() {
 
     // b2 removed: no new connections to it after the next sync.
     eps.truncate(2);
-    kns.slice("web", "web-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    kns.slice("web", &eps, |_| {});
     let b2 = Topology::backend_ip(2);
     wait_for("b2's rules to go", SYNC, || (!ns_sh(&ns, &["iptables-save", "-t", "nat"]).contains(&b2)).then_some(()));
     for _ in 0..20 {

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::net::IpAddr;
 
 use clusterip_agent::model::service::ServicePort;
 use clusterip_agent::model::state::DesiredPort;
@@ -14,11 +13,7 @@ use clusterip_agent::netns::Executor;
 use clusterip_agent::nftables::render::RenderOptions;
 use clusterip_agent::nftables::NftablesProxier;
 use clusterip_agent::proxier::{Proxier, SyncBatch};
-use common::{ns_sh, sa, Netns, Topology, UDP_PORT};
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().expect("ip")
-}
+use common::{ip, ns_sh, sa, Netns, Topology, UDP_PORT};
 
 fn eps(prefix: &str, n: usize) -> Vec<Endpoint> {
     (0..n).map(|i| Endpoint::ready(ip(&format!("{prefix}{}", 10 + i)), 8080)).collect()

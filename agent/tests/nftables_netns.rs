@@ -31,7 +31,7 @@ fn setup_then(backends: usize, extra: &[&str], before_agent: impl FnOnce(&Topolo
     let kns = KubeNs::new(rt);
     let topo = Topology::new(backends);
     before_agent(&topo);
-    let proxy = unique("p");
+    let proxy = short_name("p");
     let agent = Agent::start(&topo.node.name, &KubeNs::kubeconfig(), &proxy, extra);
     Setup { kns, agent, topo }
 }
@@ -58,7 +58,7 @@ fn vip_reaches_only_ready_endpoints_and_follows_changes() {
     let mut eps: Vec<Ep> = (0..4).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
     eps[3].ready = Some(false);
     eps[3].serving = Some(false);
-    s.kns.slice("web", "web-1", "IPv4", "http", "TCP", TCP_PORT, &eps);
+    s.kns.slice("web", &eps, |s| s.port_name = "http");
     let addr = sa(&vip, 80);
     wait_reachable(&s.topo, addr);
 
@@ -72,7 +72,7 @@ fn vip_reaches_only_ready_endpoints_and_follows_changes() {
     // b1 turns not-ready, b2 is removed: after the next sync they get no new connections.
     eps[1].ready = Some(false);
     eps.remove(2);
-    s.kns.slice("web", "web-1", "IPv4", "http", "TCP", TCP_PORT, &eps);
+    s.kns.slice("web", &eps, |s| s.port_name = "http");
     let b1 = Topology::backend_ip(1);
     let b2 = Topology::backend_ip(2);
     wait_for("rules without b1 and b2", SYNC, || {
@@ -89,7 +89,7 @@ fn service_without_endpoints_is_rejected_not_blackholed() {
     let s = setup(1, &[]);
     let svc = s.kns.service(&s.agent.proxy_name, "empty", json!({"ports": [{"port": 81, "targetPort": TCP_PORT}]}));
     let vip = cluster_ip(&svc, false);
-    s.kns.slice("empty", "empty-1", "IPv4", "", "TCP", TCP_PORT, &[]);
+    s.kns.slice("empty", &[], |_| {});
     wait_for("the no-endpoint entry", SYNC, || s.topo.nft_table("ip").contains(&format!("{vip} . tcp . 81 : goto reject-chain")).then_some(()));
     // Refused (a TCP reset) is the reject; a black hole would end in TimedOut instead. The
     // error kind says which, however long the machine takes to deliver it.
@@ -97,7 +97,7 @@ fn service_without_endpoints_is_rejected_not_blackholed() {
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
 
     // An endpoint appears: the same VIP answers.
-    s.kns.slice("empty", "empty-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    s.kns.slice("empty", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     assert_eq!(wait_reachable(&s.topo, sa(&vip, 81)), "b0");
     s.agent.assert_no_sync_failures();
 }
@@ -112,7 +112,7 @@ fn ipv6_vip_works() {
     );
     let vip = cluster_ip(&svc, true);
     let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip6(i))).collect();
-    s.kns.slice("web6", "web6-1", "IPv6", "", "TCP", TCP_PORT, &eps);
+    s.kns.slice("web6", &eps, |s| s.family = "IPv6");
     let addr = sa(&vip, 80);
     wait_reachable(&s.topo, addr);
     let c = counts(&s.topo, addr, 40);
@@ -129,7 +129,7 @@ fn node_port_reaches_the_service() {
     let node_port = svc.spec.as_ref().and_then(|s| s.ports.as_ref()).and_then(|p| p[0].node_port).expect("nodePort allocated");
     let node_port = u16::try_from(node_port).expect("port");
     let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
-    s.kns.slice("np", "np-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    s.kns.slice("np", &eps, |_| {});
     let who = wait_reachable(&s.topo, sa(Topology::NODE_IP, node_port));
     assert!(who == "b0" || who == "b1", "{who}");
     s.agent.assert_no_sync_failures();
@@ -144,7 +144,7 @@ fn local_policy_without_local_endpoint_drops() {
         json!({"internalTrafficPolicy": "Local", "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
     );
     let vip = cluster_ip(&svc, false);
-    s.kns.slice("loc", "loc-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    s.kns.slice("loc", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     wait_for("the drop entry", SYNC, || s.topo.nft_table("ip").contains(&format!("{vip} . tcp . 80 : drop")).then_some(()));
     let start = Instant::now();
     let err = s.topo.tcp_get(sa(&vip, 80), Duration::from_millis(1500)).expect_err("must be dropped");
@@ -157,7 +157,7 @@ fn local_policy_without_local_endpoint_drops() {
     // A local endpoint appears: only it is used.
     let mut local = Ep::ready(&Topology::backend_ip(1));
     local.node = Some(s.agent.node_name.clone());
-    s.kns.slice("loc", "loc-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0)), local]);
+    s.kns.slice("loc", &[Ep::ready(&Topology::backend_ip(0)), local], |_| {});
     wait_reachable(&s.topo, sa(&vip, 80));
     let c = counts(&s.topo, sa(&vip, 80), 20);
     assert_eq!(c.get("b1"), Some(&20), "{c:?}");
@@ -176,7 +176,7 @@ fn terminating_endpoints_are_used_when_none_is_ready() {
     gone.ready = Some(false);
     gone.serving = Some(false);
     gone.terminating = Some(true);
-    s.kns.slice("term", "term-1", "IPv4", "", "TCP", TCP_PORT, &[term, gone]);
+    s.kns.slice("term", &[term, gone], |_| {});
     wait_reachable(&s.topo, sa(&vip, 80));
     let c = counts(&s.topo, sa(&vip, 80), 20);
     assert_eq!(c.get("b0"), Some(&20), "only the serving terminating endpoint: {c:?}");
@@ -195,7 +195,7 @@ fn client_ip_affinity_sticks_then_expires() {
     );
     let vip = cluster_ip(&svc, false);
     let eps: Vec<Ep> = (0..3).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
-    s.kns.slice("sticky", "sticky-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    s.kns.slice("sticky", &eps, |_| {});
     let addr = sa(&vip, 80);
     wait_reachable(&s.topo, addr);
 
@@ -248,7 +248,7 @@ fn udp_conntrack_entries_of_removed_endpoints_are_flushed() {
     let svc = s.kns.service(&s.agent.proxy_name, "dns", json!({"ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": UDP_PORT}]}));
     let vip = cluster_ip(&svc, false);
     let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
-    s.kns.slice("dns", "dns-1", "IPv4", "dns", "UDP", UDP_PORT, &eps);
+    s.kns.slice("dns", &eps, |s| { s.port_name = "dns"; s.protocol = "UDP"; s.port = UDP_PORT });
     let addr = sa(&vip, 53);
     // One socket, one source port, for the whole test: the same 5-tuple throughout.
     let client = s.topo.udp_client(false, 40053);
@@ -260,7 +260,7 @@ fn udp_conntrack_entries_of_removed_endpoints_are_flushed() {
     // Remove that endpoint (its responder keeps running): the flow must move.
     let keep: Vec<Ep> = eps.into_iter().filter(|e| !e.ip.ends_with(if first == "b0" { ".10" } else { ".11" })).collect();
     assert_eq!(keep.len(), 1);
-    s.kns.slice("dns", "dns-1", "IPv4", "dns", "UDP", UDP_PORT, &keep);
+    s.kns.slice("dns", &keep, |s| { s.port_name = "dns"; s.protocol = "UDP"; s.port = UDP_PORT });
     let other = if first == "b0" { "b1" } else { "b0" };
     wait_for("the UDP flow to move to the remaining endpoint", SYNC, || {
         (client.ask(addr, Duration::from_millis(300)).ok()? == other).then_some(())
@@ -273,7 +273,7 @@ fn rules_changed_behind_our_back_are_repaired() {
     let s = setup(1, &["--sync-period", "2s", "--verify-period", "1s"]);
     let svc = s.kns.service(&s.agent.proxy_name, "drift", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
     let vip = cluster_ip(&svc, false);
-    s.kns.slice("drift", "drift-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    s.kns.slice("drift", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     wait_reachable(&s.topo, sa(&vip, 80));
     let drift = "rules changed behind our back";
     let drift_before = s.agent.log_count(&[drift]);
@@ -298,7 +298,7 @@ fn cleanup_leaves_the_namespace_as_found() {
     let ns = s.topo.node.name.clone();
     let svc = s.kns.service(&s.agent.proxy_name, "c", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
     let vip = cluster_ip(&svc, false);
-    s.kns.slice("c", "c-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    s.kns.slice("c", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     wait_reachable(&s.topo, sa(&vip, 80));
     s.agent.assert_no_sync_failures();
     s.agent.stop();
@@ -334,7 +334,7 @@ fn healthz_livez_and_metrics() {
     let (hp, mp) = (s.agent.listening_addr("healthz"), s.agent.listening_addr("metrics"));
     let svc = s.kns.service(&s.agent.proxy_name, "h", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
     let vip = cluster_ip(&svc, false);
-    s.kns.slice("h", "h-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    s.kns.slice("h", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     wait_reachable(&s.topo, sa(&vip, 80));
 
     let (code, body) = wait_for("/livez", SYNC, || http_get(hp, "/livez"));
@@ -376,7 +376,7 @@ fn external_ip_reaches_the_service() {
         json!({"externalIPs": ["198.18.9.9"], "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
     );
     let eps: Vec<Ep> = (0..2).map(|i| Ep::ready(&Topology::backend_ip(i))).collect();
-    s.kns.slice("ext", "ext-1", "IPv4", "", "TCP", TCP_PORT, &eps);
+    s.kns.slice("ext", &eps, |_| {});
     let who = wait_reachable(&s.topo, sa("198.18.9.9", 80));
     assert!(who == "b0" || who == "b1", "{who}");
     s.agent.assert_no_sync_failures();
@@ -391,7 +391,7 @@ fn hairpin_a_backend_reaching_itself_through_the_vip() {
     // which works only if the connection is masqueraded (hairpin).
     let mut ep = Ep::ready(&Topology::backend_ip(0));
     ep.node = Some(s.agent.node_name.clone());
-    s.kns.slice("hp", "hp-1", "IPv4", "", "TCP", TCP_PORT, &[ep]);
+    s.kns.slice("hp", &[ep], |_| {});
     wait_reachable(&s.topo, sa(&vip, 80));
     let b0 = s.topo.backends[0].name.clone();
     let who = wait_for("the backend to reach itself through the VIP", SYNC, || {
@@ -411,7 +411,7 @@ fn load_balancer_source_ranges_are_enforced() {
         "lb",
         json!({"type": "LoadBalancer", "loadBalancerSourceRanges": ["198.18.1.0/24"], "ports": [{"port": 80, "targetPort": TCP_PORT}]}),
     );
-    s.kns.slice("lb", "lb-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    s.kns.slice("lb", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     let api: kube::Api<Service> = kube::Api::namespaced(s.kns.client.clone(), &s.kns.name);
     let status = json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.18.8.8"}]}}});
     s.kns.rt.block_on(api.patch_status("lb", &PatchParams::default(), &Patch::Merge(&status))).expect("set LB status");
@@ -451,13 +451,13 @@ fn health_check_node_port_reports_local_endpoints() {
     let addr = sa(Topology::NODE_IP, u16::try_from(hc).expect("port"));
     let mut local = Ep::ready(&Topology::backend_ip(0));
     local.node = Some(s.agent.node_name.clone());
-    s.kns.slice("hc", "hc-1", "IPv4", "", "TCP", TCP_PORT, &[local, Ep::ready(&Topology::backend_ip(1))]);
+    s.kns.slice("hc", &[local, Ep::ready(&Topology::backend_ip(1))], |_| {});
     let (code, text) = wait_for("the health check node port", SYNC, || http_get_in(&s.topo.client.name, addr).filter(|r| r.0 == 200));
     assert_eq!(code, 200);
     assert!(text.contains("X-Load-Balancing-Endpoint-Weight: 1"), "{text}");
     assert!(text.contains("\"localEndpoints\":1"), "{text}");
     // No local endpoint any more: 503, so load balancers skip this node.
-    s.kns.slice("hc", "hc-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(1))]);
+    s.kns.slice("hc", &[Ep::ready(&Topology::backend_ip(1))], |_| {});
     let (_, text) = wait_for("503 without local endpoints", SYNC, || http_get_in(&s.topo.client.name, addr).filter(|r| r.0 == 503));
     assert!(text.contains("\"localEndpoints\":0"), "{text}");
     s.agent.assert_no_sync_failures();

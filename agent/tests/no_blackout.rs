@@ -215,7 +215,7 @@ fn vips_keep_answering_through_a_forced_rebuild_and_an_agent_restart() {
     let rt = runtime();
     let kns = KubeNs::new(rt);
     let topo = Topology::new(3);
-    let proxy = unique("nb");
+    let proxy = short_name("nb");
     let (vips, fillers) = load(&kns, &proxy, total, 3);
     let node = topo.node.name.clone();
     let flags = ["--max-ops-per-transaction", max_ops.as_str(), "--sync-period", "1h", "--verify-period", "0"];
@@ -277,7 +277,7 @@ fn iptables_mode_keeps_vips_through_a_restart_and_removes_chains_of_services_gon
     let rt = runtime();
     let kns = KubeNs::new(rt);
     let topo = Topology::new(3);
-    let proxy = unique("ni");
+    let proxy = short_name("ni");
     let (vips, fillers) = load(&kns, &proxy, total, 3);
     let node = topo.node.name.clone();
     let flags = ["--mode", "iptables", "--sync-period", "1h", "--verify-period", "0"];

@@ -43,7 +43,7 @@ fn children(pid: u32, prefix: &str) -> usize {
 
 #[test]
 fn a_hung_nft_is_killed_the_sync_retried_and_the_rules_programmed_once_it_works() {
-    let dir = TempDir(std::env::temp_dir().join(unique("clusterip-tool-timeout-")));
+    let dir = TempDir(std::env::temp_dir().join(short_name("clusterip-tool-timeout-")));
     std::fs::create_dir_all(&dir.0).expect("temp dir");
     let script = dir.0.join("nft");
     let marker = dir.0.join("hang");
@@ -58,9 +58,9 @@ fn a_hung_nft_is_killed_the_sync_retried_and_the_rules_programmed_once_it_works(
     let rt = runtime();
     let kns = KubeNs::new(rt);
     let topo = Topology::new(1);
-    let proxy = unique("t");
+    let proxy = short_name("t");
     let svc = kns.service(&proxy, "web", json!({"ports": [{"port": 80, "targetPort": TCP_PORT}]}));
-    kns.slice("web", "web-1", "IPv4", "", "TCP", TCP_PORT, &[Ep::ready(&Topology::backend_ip(0))]);
+    kns.slice("web", &[Ep::ready(&Topology::backend_ip(0))], |_| {});
     let path = format!("{}:{}", dir.0.display(), std::env::var("PATH").unwrap_or_default());
     // The backoff after failures is capped by the sync period.
     let flags = ["--tool-timeout", "1s", "--sync-period", "3s"];

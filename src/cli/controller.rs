@@ -14,9 +14,8 @@ use crate::controller::events::ServiceEvents;
 use crate::controller::leader::{self, ElectionConfig};
 use crate::controller::supervise::{self, Ended};
 use crate::controller::{servicecidrs, services};
-use crate::metrics::Metrics;
+use crate::metrics::{MeteredStore, Metrics};
 use crate::repair::{self, Repairer, Target};
-use crate::store::metered::MeteredStore;
 use crate::webhook::admission::Admission;
 use crate::store::apiserver_ips::ApiserverIps;
 use crate::serve;
@@ -347,7 +346,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
             info!(lease = %lease_name, identity = %identity, leading = false, "leadership changed: reconcilers stopped");
         }
     };
-    let mut mon = tokio::spawn(crate::metrics::serve(metrics_listener, metrics.clone(), store.clone(), draining.clone()));
+    let mut mon = tokio::spawn(super::monitoring::serve(metrics_listener, metrics.clone(), store.clone(), draining.clone()));
     // Until a signal: the reconcilers follow the election; a dead election, webhook or metrics
     // server ends the process (with the reconcilers stopped first).
     let which = {

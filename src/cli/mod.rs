@@ -4,6 +4,7 @@ mod allocate;
 pub mod backend;
 mod controller;
 mod import;
+mod monitoring;
 mod repair;
 
 use clap::{Parser, Subcommand};

@@ -62,20 +62,29 @@ pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, s
                 continue;
             }
         };
-        if !ranges.iter().any(|c| c.contains(ip)) || store.has(ip).await? {
+        if !ranges.iter().any(|c| c.contains(ip)) {
             continue;
         }
-        match store.allocate(ip, None).await {
-            Ok(()) => {
-                events
-                    .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", family_word(ip)))
-                    .await;
-            }
-            Err(StoreError::Alloc(crate::alloc::AllocError::Allocated)) => {}
-            Err(e) => return Err(e),
+        if record_if_missing(store, ip).await? {
+            events
+                .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", family_word(ip)))
+                .await;
         }
     }
     Ok(())
+}
+
+/// Record an address in our ranges a live Service holds, when the records lack it. True
+/// when it was recorded here (the records lacked it: an Event says so).
+pub async fn record_if_missing(store: &dyn AllocationStore, ip: IpAddr) -> Result<bool, StoreError> {
+    if store.has(ip).await? {
+        return Ok(false);
+    }
+    match store.allocate(ip, None).await {
+        Ok(()) => Ok(true),
+        Err(StoreError::Alloc(crate::alloc::AllocError::Allocated)) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// How long an address a Service gave up may still be recorded by the apiserver before it
@@ -91,6 +100,41 @@ fn held_in(ranges: &[crate::cidr::ServiceCidr], svc: &Service) -> Vec<IpAddr> {
 
 fn key_of(svc: &Service) -> String {
     svc.metadata.uid.clone().unwrap_or_else(|| format!("{}/{}", svc.metadata.namespace.as_deref().unwrap_or_default(), svc.metadata.name.as_deref().unwrap_or_default()))
+}
+
+/// What each Service held at its last event (by uid), and so what it has given up since:
+/// the reconciler's decisions, apart from the watch that feeds them.
+pub struct Holdings {
+    ranges: Vec<crate::cidr::ServiceCidr>,
+    held: HashMap<String, Vec<IpAddr>>,
+}
+
+impl Holdings {
+    pub fn new(ranges: Vec<crate::cidr::ServiceCidr>) -> Self {
+        Self { ranges, held: HashMap::new() }
+    }
+
+    /// A Service as stored now: the addresses in our ranges it held at its last event and
+    /// holds no longer (changed to ExternalName, downgraded to one family).
+    pub fn applied(&mut self, svc: &Service) -> Vec<IpAddr> {
+        let now = held_in(&self.ranges, svc);
+        match self.held.insert(key_of(svc), now.clone()) {
+            Some(before) => before.into_iter().filter(|ip| !now.contains(ip)).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// A deleted Service: every address in our ranges it held.
+    pub fn deleted(&mut self, svc: &Service) -> Vec<IpAddr> {
+        self.held.remove(&key_of(svc));
+        held_in(&self.ranges, svc)
+    }
+
+    /// A relist begins: what Services held before is forgotten (a Service seen again
+    /// gives up nothing on its first event).
+    pub fn relist(&mut self) {
+        self.held.clear();
+    }
 }
 
 /// Addresses Services gave up, released once the apiserver no longer records them.
@@ -167,10 +211,8 @@ impl Releases {
 pub async fn run(client: kube::Client, store: Arc<dyn AllocationStore>, recorded: ApiserverIps, events: ServiceEvents, metrics: Arc<Metrics>) {
     let api: Api<Service> = Api::all(client);
     let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
-    let ranges = store.ranges();
     let mut releases = Releases::new(store.clone(), recorded);
-    // What each Service held at its last event (by uid).
-    let mut held: HashMap<String, Vec<IpAddr>> = HashMap::new();
+    let mut holdings = Holdings::new(store.ranges());
     let mut tick = tokio::time::interval(RELEASE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     info!("Service reconciler started");
@@ -196,23 +238,19 @@ pub async fn run(client: kube::Client, store: Arc<dyn AllocationStore>, recorded
         };
         let result = match &ev {
             Ok(Event::Apply(svc)) | Ok(Event::InitApply(svc)) => {
-                let now = held_in(&ranges, svc);
-                if let Some(before) = held.insert(key_of(svc), now.clone()) {
-                    for ip in before.into_iter().filter(|ip| !now.contains(ip)) {
-                        releases.given_up(ip);
-                    }
+                for ip in holdings.applied(svc) {
+                    releases.given_up(ip);
                 }
                 sync_present(store.as_ref(), &events, svc).await
             }
             Ok(Event::Delete(svc)) => {
-                held.remove(&key_of(svc));
-                for ip in held_in(&ranges, svc) {
+                for ip in holdings.deleted(svc) {
                     releases.given_up(ip);
                 }
                 Ok(())
             }
             Ok(Event::Init) => {
-                held.clear();
+                holdings.relist();
                 Ok(())
             }
             Ok(Event::InitDone) => Ok(()),
@@ -237,6 +275,69 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().expect("ip")
+    }
+
+    fn range() -> Vec<ServiceCidr> {
+        vec![ServiceCidr::parse("198.19.0.0/24").expect("range"), ServiceCidr::parse("fd00:10:96::/120").expect("range")]
+    }
+
+    /// A stored Service holding `ips` (its `spec.clusterIPs`).
+    fn service(uid: &str, ips: &[&str]) -> Service {
+        let mut svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web", "namespace": "default", "uid": uid},
+            "spec": {"clusterIPs": ips, "clusterIP": ips.first().copied().unwrap_or_default()}
+        }))
+        .expect("Service");
+        if ips.is_empty() {
+            svc.spec.as_mut().expect("spec").cluster_ip = None;
+        }
+        svc
+    }
+
+    #[test]
+    fn a_service_holds_its_parsed_addresses_in_our_ranges_only() {
+        let svc = service("u1", &["198.19.0.5", "fd00:10:96::5"]);
+        assert_eq!(held_in(&range(), &svc), vec![ip("198.19.0.5"), ip("fd00:10:96::5")]);
+        let elsewhere = service("u2", &["10.0.0.5", "not-an-ip"]);
+        assert!(held_in(&range(), &elsewhere).is_empty());
+        assert_eq!(service_ips(&service("u3", &["None"])), Vec::<String>::new());
+    }
+
+    #[test]
+    fn addresses_given_up_by_a_downgrade_an_externalname_change_or_a_delete() {
+        let mut holdings = Holdings::new(range());
+        // First sight: nothing given up, whatever it holds.
+        assert!(holdings.applied(&service("u1", &["198.19.0.5", "fd00:10:96::5"])).is_empty());
+        // Downgraded to one family: the second address is given up.
+        assert_eq!(holdings.applied(&service("u1", &["198.19.0.5"])), vec![ip("fd00:10:96::5")]);
+        // Unchanged: nothing.
+        assert!(holdings.applied(&service("u1", &["198.19.0.5"])).is_empty());
+        // Changed to ExternalName (no address): the rest.
+        assert_eq!(holdings.applied(&service("u1", &[])), vec![ip("198.19.0.5")]);
+        // A delete gives up what the deleted object holds, in our ranges only.
+        let other = service("u2", &["198.19.0.9", "10.0.0.9"]);
+        assert!(holdings.applied(&other).is_empty());
+        assert_eq!(holdings.deleted(&other), vec![ip("198.19.0.9")]);
+        // Deleted and created again under a new uid: a first sight.
+        assert!(holdings.applied(&service("u3", &["198.19.0.9"])).is_empty());
+        // After a relist, a Service's first event gives up nothing (what it held before is
+        // unknown; the repair pass finds such leaks).
+        holdings.relist();
+        assert!(holdings.applied(&service("u3", &[])).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_held_address_the_records_lack_is_recorded_once() {
+        let store = MemoryStore::new(range());
+        assert!(record_if_missing(&store, ip("198.19.0.5")).await.expect("record"), "the records lacked it");
+        assert!(store.has(ip("198.19.0.5")).await.expect("has"));
+        // Recorded already (by us, or by the admission that answered it): nothing to say.
+        assert!(!record_if_missing(&store, ip("198.19.0.5")).await.expect("record"));
+        // A recorded non-Service owner is left as it is.
+        let gateway = ParentRef { group: "gateway.networking.k8s.io".into(), resource: "gateways".into(), namespace: Some("infra".into()), name: "edge".into() };
+        store.allocate(ip("198.19.0.6"), Some(&gateway)).await.expect("a Gateway's");
+        assert!(!record_if_missing(&store, ip("198.19.0.6")).await.expect("record"));
+        assert_eq!(store.owner(ip("198.19.0.6")).await.expect("owner"), Some(gateway));
     }
 
     #[tokio::test]

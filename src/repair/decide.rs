@@ -261,6 +261,41 @@ impl Report {
     }
 }
 
+impl Records {
+    fn len(&self) -> usize {
+        match self {
+            Records::Map(m) => m.len(),
+            Records::Objects(list) => list.len(),
+        }
+    }
+}
+
+impl Finding {
+    /// A finding with nothing attached: no Service to act for, no record, no Event.
+    fn new(kind: Kind, address: impl Into<String>, owner: impl Into<String>, action: Action) -> Self {
+        Finding { kind, address: address.into(), owner: owner.into(), action, service: None, record: None, event: None }
+    }
+
+    /// The Service a created or replaced record belongs to.
+    fn for_service(mut self, svc: &ServiceView) -> Self {
+        self.service = Some((svc.namespace.clone(), svc.name.clone()));
+        self
+    }
+
+    /// The record a release or replace deletes.
+    fn with_record(mut self, r: &RecordView) -> Self {
+        self.record = Some(r.clone());
+        self
+    }
+
+    fn with_event(mut self, event: Option<EventText>) -> Self {
+        self.event = event;
+        self
+    }
+}
+
+const READ_ONLY_AUDIT: &str = "read-only audit";
+
 fn family_word(ip: IpAddr) -> &'static str {
     Family::of(ip).as_str()
 }
@@ -269,272 +304,23 @@ fn is_service_parent(p: &ParentRef) -> bool {
     p.group.is_empty() && p.resource == "services"
 }
 
+/// The address an IPAddress object is named for, when its name is a canonical address.
+fn canonical(name: &str) -> Option<IpAddr> {
+    cidr::parse_ip(name).ok().filter(|ip| ip.to_string() == name)
+}
+
 /// The pass. `leaks` carries the etcd backend's per-address counters from one pass to the
 /// next (a fresh value for a one-shot run); it is updated here.
 pub fn decide(cfg: &Config, services: &[ServiceView], records: &Records, leaks: &mut LeakCounts) -> Report {
-    let mut report = Report { services: services.len(), ..Default::default() };
-    let audit = matches!(cfg.mode, Mode::Audit { .. });
-    let our_manager: Option<&str> = match &cfg.mode {
-        Mode::Etcd => None,
-        Mode::IpAddress { manager } | Mode::Audit { manager } => Some(manager.as_str()),
-    };
-    // IPAddress objects by canonical name.
-    let objects: BTreeMap<IpAddr, &RecordView> = match records {
-        Records::Map(_) => BTreeMap::new(),
-        Records::Objects(list) => list
-            .iter()
-            .filter_map(|r| cidr::parse_ip(&r.name).ok().filter(|ip| ip.to_string() == r.name).map(|ip| (ip, r)))
-            .collect(),
-    };
-    report.records = match records {
-        Records::Map(m) => m.len(),
-        Records::Objects(list) => list.len(),
-    };
-    let ours = |r: &RecordView| our_manager.is_some() && r.managed_by.as_deref() == our_manager;
-    let read_only = |r: &RecordView| -> Option<String> {
-        if audit {
-            Some("read-only audit".into())
-        } else if !ours(r) {
-            Some(format!("managed by {}", r.managed_by.as_deref().unwrap_or("nobody (no managed-by label)")))
-        } else {
-            None
-        }
-    };
-
-    // Owners of every parsed address; malformed addresses reported on the way. Stored
-    // addresses are read as Kubernetes' repair reads them (leading zeros, IPv4-mapped IPv6:
-    // the address they spell), never as new input.
-    let mut owners: BTreeMap<IpAddr, Vec<&ServiceView>> = BTreeMap::new();
-    for svc in services {
-        for text in &svc.cluster_ips {
-            match cidr::parse_ip_sloppy(text) {
-                Ok(ip) => owners.entry(ip).or_default().push(svc),
-                Err(_) => report.findings.push(Finding {
-                    kind: Kind::Malformed,
-                    address: text.clone(),
-                    owner: svc.key(),
-                    action: Action::Event,
-                    service: None,
-                    record: None,
-                    event: Some(service_event(svc, "ClusterIPNotValid", "ClusterIPValidation", format!("Cluster IP {text} is not a valid IP; please recreate Service"))),
-                }),
-            }
-        }
-    }
-    for list in owners.values_mut() {
-        list.sort_by(|a, b| (a.created.unwrap_or(i64::MAX), a.key()).cmp(&(b.created.unwrap_or(i64::MAX), b.key())));
-        list.dedup_by(|a, b| a.key() == b.key());
-    }
-
-    // Service-centric checks.
+    let pass = Pass::new(cfg, records);
+    let mut report = Report { services: services.len(), records: records.len(), ..Default::default() };
+    let owners = owners(services, &mut report.findings);
     for (&ip, list) in &owners {
-        let in_range = cfg.ranges.iter().any(|c| c.contains(ip));
-        let claimed = audit
-            || objects.get(&ip).is_some_and(|r| ours(r))
-            || match &cfg.cluster_ranges {
-                Some(cluster) => !cluster.iter().any(|c| c.contains(ip)),
-                None => list.iter().any(|s| s.assigned_by_us.iter().any(|t| cidr::parse_ip_sloppy(t).ok() == Some(ip))),
-            };
-        if !in_range && !claimed {
-            report.foreign += 1;
-            continue;
-        }
-        if !in_range {
-            let family = Family::of(ip);
-            let configured: Vec<String> = cfg.ranges.iter().filter(|c| c.family() == family).map(|c| c.to_string()).collect();
-            let family_known = !configured.is_empty() || cfg.cluster_ranges.iter().flatten().any(|c| c.family() == family);
-            for svc in list {
-                let (kind, reason, action, note) = if !family_known {
-                    (
-                        Kind::FamilyNotConfigured,
-                        "ClusterIPNotValid",
-                        "ClusterIPValidation",
-                        format!("Cluster IP {ip}({}) is of ip family that is no longer configured on cluster; please recreate service", family_word(ip)),
-                    )
-                } else if cfg.mode == Mode::Etcd && !configured.is_empty() {
-                    (
-                        Kind::OutOfRange,
-                        "ClusterIPOutOfRange",
-                        "ClusterIPAllocation",
-                        format!("Cluster IP [{}]:{ip} is not within the service CIDR {}; please recreate service", family_word(ip), configured.join(", ")),
-                    )
-                } else {
-                    (
-                        Kind::OutOfRange,
-                        "ClusterIPOutOfRange",
-                        "ClusterIPAllocation",
-                        format!("Cluster IP [{}]: {ip} is not within any configured Service CIDR; please recreate service", family_word(ip)),
-                    )
-                };
-                report.findings.push(Finding {
-                    kind,
-                    address: ip.to_string(),
-                    owner: svc.key(),
-                    action: if audit { Action::None("read-only audit".into()) } else { Action::Event },
-                    service: None,
-                    record: None,
-                    event: (!audit).then(|| service_event(svc, reason, action, note)),
-                });
-            }
-            continue;
-        }
-        // One address on several Services: the oldest keeps it, the others are told.
-        let first = list[0];
-        for svc in &list[1..] {
-            report.findings.push(Finding {
-                kind: Kind::Duplicate,
-                address: ip.to_string(),
-                owner: format!("{} (also {})", svc.key(), first.key()),
-                action: if audit { Action::None("read-only audit".into()) } else { Action::Event },
-                service: None,
-                record: None,
-                event: (!audit).then(|| {
-                    service_event(
-                        svc,
-                        "ClusterIPAlreadyAllocated",
-                        "ClusterIPAllocation",
-                        format!("Cluster IP [{}]:{ip} was assigned to multiple services; please recreate service", family_word(ip)),
-                    )
-                }),
-            });
-        }
-        match records {
-            Records::Map(map) => {
-                leaks.forget(ip);
-                if !map.contains(&ip) {
-                    report.findings.push(Finding {
-                        kind: Kind::MissingRecord,
-                        address: ip.to_string(),
-                        owner: first.key(),
-                        action: Action::Create,
-                        service: Some((first.namespace.clone(), first.name.clone())),
-                        record: None,
-                        event: Some(service_event(
-                            first,
-                            "ClusterIPNotAllocated",
-                            "ClusterIPAllocation",
-                            format!("Cluster IP [{}]:{ip} is not allocated; repairing", family_word(ip)),
-                        )),
-                    });
-                }
-            }
-            Records::Objects(_) => service_record_checks(cfg, &mut report, ip, list, objects.get(&ip).copied(), &read_only),
-        }
+        pass.judge_address(ip, list, records, leaks, &mut report);
     }
-
-    // Record-centric checks: leaks and wrong references of records nobody holds.
-    let by_name: HashMap<(&str, &str), &ServiceView> = services.iter().map(|s| ((s.namespace.as_str(), s.name.as_str()), s)).collect();
     match records {
-        Records::Map(map) => {
-            let mut still = HashMap::new();
-            for &ip in map {
-                if owners.contains_key(&ip) {
-                    continue;
-                }
-                let seen = leaks.get(ip) + 1;
-                still.insert(ip, seen);
-                let action = if cfg.release_leaks_now || seen >= LEAK_PASSES { Action::Release } else { Action::ReleaseLater { seen, of: LEAK_PASSES } };
-                report.findings.push(Finding {
-                    kind: Kind::Leak,
-                    address: ip.to_string(),
-                    owner: "-".into(),
-                    action,
-                    service: None,
-                    record: None,
-                    event: None,
-                });
-            }
-            // Counters are for *consecutive* passes: anything not leaked now starts over.
-            leaks.seen = still;
-        }
-        Records::Objects(list) => {
-            for r in list {
-                let judged = match our_manager {
-                    Some(m) => r.managed_by.as_deref() == Some(m),
-                    None => false,
-                };
-                if !judged {
-                    continue;
-                }
-                let Some(ip) = cidr::parse_ip(&r.name).ok().filter(|ip| ip.to_string() == r.name) else {
-                    report.findings.push(Finding {
-                        kind: Kind::Malformed,
-                        address: r.name.clone(),
-                        owner: r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
-                        action: Action::None("not a canonical address; left for a person to look at".into()),
-                        service: None,
-                        record: Some(r.clone()),
-                        event: None,
-                    });
-                    continue;
-                };
-                if owners.contains_key(&ip) {
-                    continue; // judged above, from the Service side
-                }
-                if !audit && !cfg.ranges.iter().any(|c| c.contains(ip)) {
-                    // Outside our ranges: another configuration's record (one manager label
-                    // may be shared by instances with different ranges); not ours to release.
-                    continue;
-                }
-                let Some(parent) = r.parent.as_ref() else { continue };
-                if !is_service_parent(parent) {
-                    // Our records may belong to parents other than Services; those are not
-                    // ours to judge here (Kubernetes' own objects must name a Service).
-                    if audit {
-                        report.findings.push(Finding {
-                            kind: Kind::WrongReference,
-                            address: r.name.clone(),
-                            owner: parent.to_string(),
-                            action: Action::None("read-only audit".into()),
-                            service: None,
-                            record: Some(r.clone()),
-                            event: None,
-                        });
-                    }
-                    continue;
-                }
-                let ns = parent.namespace.clone().unwrap_or_default();
-                let parent_svc = by_name.get(&(ns.as_str(), parent.name.as_str()));
-                let (kind, action, note, reason) = match parent_svc {
-                    None => {
-                        let action = if audit {
-                            Action::None("read-only audit".into())
-                        } else if cfg.release_leaks_now || r.age.is_some_and(|a| a > cfg.grace) {
-                            Action::Release
-                        } else {
-                            Action::ReleaseAfterGrace { age: r.age, grace: cfg.grace }
-                        };
-                        (
-                            Kind::Leak,
-                            action,
-                            format!("IPAddress: {} for Service {ns}/{} appears to have leaked: cleaning up", r.name, parent.name),
-                            "IPAddressNotAllocated",
-                        )
-                    }
-                    Some(_) => (
-                        Kind::WrongReference,
-                        if audit { Action::None("read-only audit".into()) } else { Action::Release },
-                        format!("IPAddress: {} for Service {ns}/{} has a wrong reference; cleaning up", r.name, parent.name),
-                        "IPAddressWrongReference",
-                    ),
-                };
-                let event = (action == Action::Release).then(|| EventText {
-                    target: EventTarget::IpAddress { name: r.name.clone(), uid: r.uid.clone() },
-                    reason,
-                    action: "IPAddressAllocation",
-                    note,
-                });
-                report.findings.push(Finding {
-                    kind,
-                    address: r.name.clone(),
-                    owner: parent.to_string(),
-                    action,
-                    service: None,
-                    record: Some(r.clone()),
-                    event,
-                });
-            }
-        }
+        Records::Map(map) => map_leaks(cfg, map, &owners, leaks, &mut report.findings),
+        Records::Objects(list) => pass.orphaned_objects(list, services, &owners, &mut report.findings),
     }
     report.findings.sort_by(|a, b| (a.kind, sort_key(&a.address), &a.owner).cmp(&(b.kind, sort_key(&b.address), &b.owner)));
     report
@@ -544,74 +330,305 @@ fn sort_key(text: &str) -> (Option<IpAddr>, &str) {
     (cidr::parse_ip(text).ok(), text)
 }
 
-/// The checks of one in-range Service address against its IPAddress object.
-fn service_record_checks(
-    cfg: &Config,
-    report: &mut Report,
-    ip: IpAddr,
-    owners: &[&ServiceView],
-    record: Option<&RecordView>,
-    read_only: &dyn Fn(&RecordView) -> Option<String>,
-) {
-    let audit = matches!(cfg.mode, Mode::Audit { .. });
-    let first = owners[0];
-    let fam = family_word(ip);
-    let Some(r) = record else {
-        report.findings.push(Finding {
-            kind: Kind::MissingRecord,
-            address: ip.to_string(),
-            owner: first.key(),
-            action: if audit { Action::None("read-only audit".into()) } else { Action::Create },
-            service: Some((first.namespace.clone(), first.name.clone())),
-            record: None,
-            event: (!audit).then(|| service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{fam}]: {ip} is not allocated; repairing"))),
-        });
-        return;
-    };
-    let points_to_owner = r.parent.as_ref().is_some_and(|p| {
-        is_service_parent(p) && owners.iter().any(|s| p.namespace.as_deref().unwrap_or_default() == s.namespace && p.name == s.name)
-    });
-    let fix = |why: Option<String>| match why {
-        Some(why) => Action::None(why),
-        None => Action::Replace,
-    };
-    if !points_to_owner {
-        let action = fix(read_only(r));
-        report.findings.push(Finding {
-            kind: Kind::WrongReference,
-            address: ip.to_string(),
-            owner: format!("{} (record: {})", first.key(), r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "no parentRef".into())),
-            event: (action == Action::Replace).then(|| wrong_reference_event(first, fam, ip)),
-            action,
-            service: Some((first.namespace.clone(), first.name.clone())),
-            record: Some(r.clone()),
-        });
-        return;
-    }
-    let family_ok = r.family_label.as_deref() == Some(fam);
-    let manager_ok = match &cfg.mode {
-        Mode::Audit { manager } => r.managed_by.as_deref() == Some(manager.as_str()),
-        _ => r.managed_by.as_deref().is_some_and(|m| !m.is_empty()),
-    };
-    if !family_ok || !manager_ok {
-        let action = fix(read_only(r));
-        let mut wrong = Vec::new();
-        if !family_ok {
-            wrong.push(format!("ip-family={}", r.family_label.as_deref().unwrap_or("<missing>")));
+/// The Services holding each parsed address, oldest first (the oldest keeps a duplicate);
+/// addresses that do not parse are reported on the way. Stored addresses are read as
+/// Kubernetes' repair reads them (leading zeros, IPv4-mapped IPv6: the address they spell),
+/// never as new input.
+fn owners<'s>(services: &'s [ServiceView], findings: &mut Vec<Finding>) -> BTreeMap<IpAddr, Vec<&'s ServiceView>> {
+    let mut owners: BTreeMap<IpAddr, Vec<&ServiceView>> = BTreeMap::new();
+    for svc in services {
+        for text in &svc.cluster_ips {
+            match cidr::parse_ip_sloppy(text) {
+                Ok(ip) => owners.entry(ip).or_default().push(svc),
+                Err(_) => findings.push(Finding::new(Kind::Malformed, text.clone(), svc.key(), Action::Event).with_event(Some(service_event(
+                    svc,
+                    "ClusterIPNotValid",
+                    "ClusterIPValidation",
+                    format!("Cluster IP {text} is not a valid IP; please recreate Service"),
+                )))),
+            }
         }
-        if !manager_ok {
-            wrong.push(format!("managed-by={}", r.managed_by.as_deref().unwrap_or("<missing>")));
-        }
-        report.findings.push(Finding {
-            kind: Kind::WrongLabels,
-            address: ip.to_string(),
-            owner: format!("{} (labels: {})", first.key(), wrong.join(", ")),
-            event: (action == Action::Replace).then(|| wrong_reference_event(first, fam, ip)),
-            action,
-            service: Some((first.namespace.clone(), first.name.clone())),
-            record: Some(r.clone()),
-        });
     }
+    for list in owners.values_mut() {
+        list.sort_by(|a, b| (a.created.unwrap_or(i64::MAX), a.key()).cmp(&(b.created.unwrap_or(i64::MAX), b.key())));
+        list.dedup_by(|a, b| a.key() == b.key());
+    }
+    owners
+}
+
+/// The etcd backend's leaks: allocated map addresses no Service holds, released on their
+/// [`LEAK_PASSES`]th consecutive detection.
+fn map_leaks(cfg: &Config, map: &BTreeSet<IpAddr>, owners: &BTreeMap<IpAddr, Vec<&ServiceView>>, leaks: &mut LeakCounts, findings: &mut Vec<Finding>) {
+    let mut still = HashMap::new();
+    for &ip in map {
+        if owners.contains_key(&ip) {
+            continue;
+        }
+        let seen = leaks.get(ip) + 1;
+        still.insert(ip, seen);
+        let action = if cfg.release_leaks_now || seen >= LEAK_PASSES { Action::Release } else { Action::ReleaseLater { seen, of: LEAK_PASSES } };
+        findings.push(Finding::new(Kind::Leak, ip.to_string(), "-", action));
+    }
+    // Counters are for *consecutive* passes: anything not leaked now starts over.
+    leaks.seen = still;
+}
+
+/// What every phase of one pass reads.
+struct Pass<'a> {
+    cfg: &'a Config,
+    audit: bool,
+    /// The managed-by label of the records the pass judges (none: the etcd backend's map).
+    our_manager: Option<&'a str>,
+    /// IPAddress objects by canonical name.
+    objects: BTreeMap<IpAddr, &'a RecordView>,
+}
+
+impl<'a> Pass<'a> {
+    fn new(cfg: &'a Config, records: &'a Records) -> Self {
+        let our_manager = match &cfg.mode {
+            Mode::Etcd => None,
+            Mode::IpAddress { manager } | Mode::Audit { manager } => Some(manager.as_str()),
+        };
+        let objects = match records {
+            Records::Map(_) => BTreeMap::new(),
+            Records::Objects(list) => list.iter().filter_map(|r| canonical(&r.name).map(|ip| (ip, r))).collect(),
+        };
+        Pass { cfg, audit: matches!(cfg.mode, Mode::Audit { .. }), our_manager, objects }
+    }
+
+    fn ours(&self, r: &RecordView) -> bool {
+        self.our_manager.is_some() && r.managed_by.as_deref() == self.our_manager
+    }
+
+    /// Why the pass may not change `r`, if it may not.
+    fn read_only(&self, r: &RecordView) -> Option<String> {
+        if self.audit {
+            Some(READ_ONLY_AUDIT.into())
+        } else if !self.ours(r) {
+            Some(format!("managed by {}", r.managed_by.as_deref().unwrap_or("nobody (no managed-by label)")))
+        } else {
+            None
+        }
+    }
+
+    /// `action`, or nothing in a read-only audit.
+    fn unless_audit(&self, action: Action) -> Action {
+        if self.audit {
+            Action::None(READ_ONLY_AUDIT.into())
+        } else {
+            action
+        }
+    }
+
+    /// The Service-side checks of one address and the Services holding it.
+    fn judge_address(&self, ip: IpAddr, list: &[&ServiceView], records: &Records, leaks: &mut LeakCounts, report: &mut Report) {
+        if !self.cfg.ranges.iter().any(|c| c.contains(ip)) {
+            if self.claimed(ip, list) {
+                self.out_of_range(ip, list, &mut report.findings);
+            } else {
+                report.foreign += 1;
+            }
+            return;
+        }
+        self.duplicates(ip, list, &mut report.findings);
+        match records {
+            Records::Map(map) => {
+                leaks.forget(ip);
+                if !map.contains(&ip) {
+                    report.findings.push(missing_map_record(ip, list[0]));
+                }
+            }
+            Records::Objects(_) => self.record_checks(ip, list, self.objects.get(&ip).copied(), &mut report.findings),
+        }
+    }
+
+    /// Whether an address outside our ranges is ours to judge (else another allocator's).
+    fn claimed(&self, ip: IpAddr, list: &[&ServiceView]) -> bool {
+        self.audit
+            || self.objects.get(&ip).is_some_and(|r| self.ours(r))
+            || match &self.cfg.cluster_ranges {
+                Some(cluster) => !cluster.iter().any(|c| c.contains(ip)),
+                None => list.iter().any(|s| s.assigned_by_us.iter().any(|t| cidr::parse_ip_sloppy(t).ok() == Some(ip))),
+            }
+    }
+
+    /// A claimed address outside every configured range: each holder is told.
+    fn out_of_range(&self, ip: IpAddr, list: &[&ServiceView], findings: &mut Vec<Finding>) {
+        let cfg = self.cfg;
+        let family = Family::of(ip);
+        let configured: Vec<String> = cfg.ranges.iter().filter(|c| c.family() == family).map(|c| c.to_string()).collect();
+        let family_known = !configured.is_empty() || cfg.cluster_ranges.iter().flatten().any(|c| c.family() == family);
+        for svc in list {
+            let (kind, reason, action, note) = if !family_known {
+                (
+                    Kind::FamilyNotConfigured,
+                    "ClusterIPNotValid",
+                    "ClusterIPValidation",
+                    format!("Cluster IP {ip}({}) is of ip family that is no longer configured on cluster; please recreate service", family_word(ip)),
+                )
+            } else if cfg.mode == Mode::Etcd && !configured.is_empty() {
+                (
+                    Kind::OutOfRange,
+                    "ClusterIPOutOfRange",
+                    "ClusterIPAllocation",
+                    format!("Cluster IP [{}]:{ip} is not within the service CIDR {}; please recreate service", family_word(ip), configured.join(", ")),
+                )
+            } else {
+                (
+                    Kind::OutOfRange,
+                    "ClusterIPOutOfRange",
+                    "ClusterIPAllocation",
+                    format!("Cluster IP [{}]: {ip} is not within any configured Service CIDR; please recreate service", family_word(ip)),
+                )
+            };
+            findings.push(
+                Finding::new(kind, ip.to_string(), svc.key(), self.unless_audit(Action::Event))
+                    .with_event((!self.audit).then(|| service_event(svc, reason, action, note))),
+            );
+        }
+    }
+
+    /// One address on several Services: the oldest keeps it, the others are told.
+    fn duplicates(&self, ip: IpAddr, list: &[&ServiceView], findings: &mut Vec<Finding>) {
+        let first = list[0];
+        for svc in &list[1..] {
+            let event = (!self.audit).then(|| {
+                service_event(
+                    svc,
+                    "ClusterIPAlreadyAllocated",
+                    "ClusterIPAllocation",
+                    format!("Cluster IP [{}]:{ip} was assigned to multiple services; please recreate service", family_word(ip)),
+                )
+            });
+            findings.push(
+                Finding::new(Kind::Duplicate, ip.to_string(), format!("{} (also {})", svc.key(), first.key()), self.unless_audit(Action::Event)).with_event(event),
+            );
+        }
+    }
+
+    /// The checks of one in-range Service address against its IPAddress object.
+    fn record_checks(&self, ip: IpAddr, owners: &[&ServiceView], record: Option<&RecordView>, findings: &mut Vec<Finding>) {
+        let first = owners[0];
+        let fam = family_word(ip);
+        let Some(r) = record else {
+            let event = (!self.audit).then(|| {
+                service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{fam}]: {ip} is not allocated; repairing"))
+            });
+            findings.push(Finding::new(Kind::MissingRecord, ip.to_string(), first.key(), self.unless_audit(Action::Create)).for_service(first).with_event(event));
+            return;
+        };
+        let points_to_owner = r.parent.as_ref().is_some_and(|p| {
+            is_service_parent(p) && owners.iter().any(|s| p.namespace.as_deref().unwrap_or_default() == s.namespace && p.name == s.name)
+        });
+        let fix = || match self.read_only(r) {
+            Some(why) => Action::None(why),
+            None => Action::Replace,
+        };
+        let replace = |kind: Kind, owner: String| {
+            let action = fix();
+            let event = (action == Action::Replace).then(|| wrong_reference_event(first, fam, ip));
+            Finding::new(kind, ip.to_string(), owner, action).for_service(first).with_record(r).with_event(event)
+        };
+        if !points_to_owner {
+            let parent = r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "no parentRef".into());
+            findings.push(replace(Kind::WrongReference, format!("{} (record: {parent})", first.key())));
+            return;
+        }
+        let family_ok = r.family_label.as_deref() == Some(fam);
+        let manager_ok = match &self.cfg.mode {
+            Mode::Audit { manager } => r.managed_by.as_deref() == Some(manager.as_str()),
+            _ => r.managed_by.as_deref().is_some_and(|m| !m.is_empty()),
+        };
+        if !family_ok || !manager_ok {
+            let mut wrong = Vec::new();
+            if !family_ok {
+                wrong.push(format!("ip-family={}", r.family_label.as_deref().unwrap_or("<missing>")));
+            }
+            if !manager_ok {
+                wrong.push(format!("managed-by={}", r.managed_by.as_deref().unwrap_or("<missing>")));
+            }
+            findings.push(replace(Kind::WrongLabels, format!("{} (labels: {})", first.key(), wrong.join(", "))));
+        }
+    }
+
+    /// Our IPAddress objects no Service holds: leaks, and references to the wrong Service.
+    fn orphaned_objects(&self, list: &[RecordView], services: &[ServiceView], owners: &BTreeMap<IpAddr, Vec<&ServiceView>>, findings: &mut Vec<Finding>) {
+        let by_name: HashMap<(&str, &str), &ServiceView> = services.iter().map(|s| ((s.namespace.as_str(), s.name.as_str()), s)).collect();
+        for r in list {
+            let judged = match self.our_manager {
+                Some(m) => r.managed_by.as_deref() == Some(m),
+                None => false,
+            };
+            if !judged {
+                continue;
+            }
+            let Some(ip) = canonical(&r.name) else {
+                let owner = r.parent.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "-".into());
+                let action = Action::None("not a canonical address; left for a person to look at".into());
+                findings.push(Finding::new(Kind::Malformed, r.name.clone(), owner, action).with_record(r));
+                continue;
+            };
+            if owners.contains_key(&ip) {
+                continue; // judged from the Service side
+            }
+            if !self.audit && !self.cfg.ranges.iter().any(|c| c.contains(ip)) {
+                // Outside our ranges: another configuration's record (one manager label
+                // may be shared by instances with different ranges); not ours to release.
+                continue;
+            }
+            let Some(parent) = r.parent.as_ref() else { continue };
+            if !is_service_parent(parent) {
+                // Our records may belong to parents other than Services; those are not
+                // ours to judge here (Kubernetes' own objects must name a Service).
+                if self.audit {
+                    findings.push(Finding::new(Kind::WrongReference, r.name.clone(), parent.to_string(), Action::None(READ_ONLY_AUDIT.into())).with_record(r));
+                }
+                continue;
+            }
+            let parent_held = by_name.contains_key(&(parent.namespace.as_deref().unwrap_or_default(), parent.name.as_str()));
+            findings.push(self.orphaned_object(r, parent, parent_held));
+        }
+    }
+
+    /// An object of ours naming a Service that does not hold its address: a leak once its
+    /// Service is gone (after the grace period), else a wrong reference.
+    fn orphaned_object(&self, r: &RecordView, parent: &ParentRef, parent_exists: bool) -> Finding {
+        let cfg = self.cfg;
+        let ns = parent.namespace.clone().unwrap_or_default();
+        let (kind, action, note, reason) = if !parent_exists {
+            let action = if cfg.release_leaks_now || r.age.is_some_and(|a| a > cfg.grace) {
+                Action::Release
+            } else {
+                Action::ReleaseAfterGrace { age: r.age, grace: cfg.grace }
+            };
+            (
+                Kind::Leak,
+                self.unless_audit(action),
+                format!("IPAddress: {} for Service {ns}/{} appears to have leaked: cleaning up", r.name, parent.name),
+                "IPAddressNotAllocated",
+            )
+        } else {
+            (
+                Kind::WrongReference,
+                self.unless_audit(Action::Release),
+                format!("IPAddress: {} for Service {ns}/{} has a wrong reference; cleaning up", r.name, parent.name),
+                "IPAddressWrongReference",
+            )
+        };
+        let event = (action == Action::Release).then(|| EventText {
+            target: EventTarget::IpAddress { name: r.name.clone(), uid: r.uid.clone() },
+            reason,
+            action: "IPAddressAllocation",
+            note,
+        });
+        Finding::new(kind, r.name.clone(), parent.to_string(), action).with_record(r).with_event(event)
+    }
+}
+
+/// The etcd backend: a held in-range address the allocation map does not record.
+fn missing_map_record(ip: IpAddr, first: &ServiceView) -> Finding {
+    let event = service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]:{ip} is not allocated; repairing", family_word(ip)));
+    Finding::new(Kind::MissingRecord, ip.to_string(), first.key(), Action::Create).for_service(first).with_event(Some(event))
 }
 
 /// Kubernetes' Event for a record that does not point at its Service the way it should.

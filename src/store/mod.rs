@@ -17,7 +17,6 @@ pub mod etcd_pool;
 pub mod ipaddress;
 pub mod legacy;
 pub mod memory;
-pub mod metered;
 mod ranges;
 
 use std::net::IpAddr;

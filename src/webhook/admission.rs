@@ -703,6 +703,95 @@ mod tests {
         assert!(store.has(ip).await.expect("has"));
     }
 
+    fn create(spec: Value) -> AdmissionRequest<Service> {
+        request("CREATE", service(spec, json!({})), None)
+    }
+
+    #[tokio::test]
+    async fn a_full_range_is_kubernetes_internal_error() {
+        // 198.19.0.0/30: two usable addresses.
+        let store = Arc::new(MemoryStore::new(vec![ServiceCidr::parse("198.19.0.0/30").expect("v4")]));
+        let adm = Admission::new(store.clone(), None);
+        for _ in 0..2 {
+            assert!(adm.mutate(&create(json!({"ports": [{"port": 80}]}))).await.allowed);
+        }
+        let resp = adm.mutate(&create(json!({"ports": [{"port": 80}]}))).await;
+        assert!(!resp.allowed);
+        assert_eq!((resp.result.code, resp.result.reason.as_str()), (500, "InternalError"));
+        assert_eq!(resp.result.message, "Internal error occurred: failed to allocate a serviceIP for Service \"web\": range is full");
+        let details = resp.result.details.as_ref().expect("details");
+        assert_eq!((details.kind.as_str(), details.name.as_str()), ("", ""));
+        assert_eq!(store.allocated().await.expect("allocated").len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_dual_stack_create_gets_one_address_per_family_in_the_order_asked() {
+        let (adm, store) = admission();
+        let resp = adm.mutate(&create(json!({"ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv6", "IPv4"], "ports": [{"port": 80}]}))).await;
+        let patch = patched(&resp);
+        let ips: Vec<IpAddr> = value(&patch, "/spec/clusterIPs").as_array().expect("clusterIPs").iter().map(|v| v.as_str().expect("text").parse().expect("ip")).collect();
+        assert_eq!(ips.len(), 2);
+        assert!(ServiceCidr::parse(V6).expect("v6").contains(ips[0]) && ServiceCidr::parse(V4).expect("v4").contains(ips[1]), "{ips:?}");
+        assert_eq!(value(&patch, "/spec/clusterIP"), &json!(ips[0].to_string()));
+        assert_eq!(value(&patch, "/spec/ipFamilies"), &json!(["IPv6", "IPv4"]));
+        assert_eq!(value(&patch, "/spec/ipFamilyPolicy"), &json!("RequireDualStack"));
+        let mut reserved = store.allocated().await.expect("allocated");
+        reserved.sort();
+        let mut want = ips.clone();
+        want.sort();
+        assert_eq!(reserved, want);
+    }
+
+    #[tokio::test]
+    async fn a_refused_second_address_gives_back_the_first() {
+        let (adm, store) = admission();
+        store.allocate("fd00:10:96::5".parse().expect("ip"), None).await.expect("held");
+        let resp = adm.mutate(&create(json!({"ipFamilyPolicy": "RequireDualStack", "clusterIP": "198.19.0.5", "clusterIPs": ["198.19.0.5", "fd00:10:96::5"], "ports": [{"port": 80}]}))).await;
+        assert_eq!(resp.result.code, 422);
+        assert!(resp.result.message.contains("failed to allocate IP fd00:10:96::5: provided IP is already allocated"), "{}", resp.result.message);
+        assert!(!store.has("198.19.0.5".parse().expect("ip")).await.expect("has"), "the first address was kept after the request failed");
+        assert_eq!(adm.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_invalid_create_is_refused_in_kubernetes_words_and_reserves_nothing() {
+        let (adm, store) = admission();
+        let resp = adm.mutate(&create(json!({"ipFamilyPolicy": "RequireDualStack", "clusterIP": "198.19.0.5", "clusterIPs": ["198.19.0.5", "198.19.0.6"], "ports": [{"port": 80}]}))).await;
+        assert!(!resp.allowed);
+        assert_eq!((resp.result.code, resp.result.reason.as_str()), (422, "Invalid"));
+        assert!(resp.result.message.starts_with("Service \"web\" is invalid: spec.clusterIPs: Invalid value: "), "{}", resp.result.message);
+        assert!(resp.result.message.contains("may specify no more than one IP for each IP family"), "{}", resp.result.message);
+        assert!(store.allocated().await.expect("allocated").is_empty());
+    }
+
+    #[tokio::test]
+    async fn headless_deletes_and_dry_runs_reserve_nothing() {
+        let (adm, store) = admission();
+        let headless = service(json!({"clusterIP": "None", "ports": [{"port": 80}]}), json!({}));
+        assert!(patched(&adm.mutate(&request("CREATE", headless, None)).await).is_empty());
+        let stored = service(json!({"clusterIP": "198.19.0.40", "clusterIPs": ["198.19.0.40"], "ports": [{"port": 80}]}), json!({}));
+        assert!(patched(&adm.mutate(&request("DELETE", stored.clone(), Some(stored))).await).is_empty());
+        let mut dry = create(json!({"clusterIP": "198.19.0.7", "ports": [{"port": 80}]}));
+        dry.dry_run = true;
+        assert!(patched(&adm.mutate(&dry).await).is_empty());
+        let mut dry = create(json!({"ports": [{"port": 80}]}));
+        dry.dry_run = true;
+        assert!(patched(&adm.mutate(&dry).await).is_empty());
+        assert!(store.allocated().await.expect("allocated").is_empty());
+        assert_eq!(adm.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_requested_address_keeps_its_spelling_and_is_reserved_canonically() {
+        let (adm, store) = admission();
+        let resp = adm.mutate(&create(json!({"clusterIP": "fd00:10:96:0::5", "ports": [{"port": 80}]}))).await;
+        let patch = patched(&resp);
+        assert_eq!(value(&patch, "/spec/clusterIP"), &json!("fd00:10:96:0::5"));
+        assert_eq!(value(&patch, "/spec/ipFamilies"), &json!(["IPv6"]));
+        assert_eq!(store.allocated().await.expect("allocated"), vec!["fd00:10:96::5".parse::<IpAddr>().expect("ip")]);
+        assert_eq!(adm.in_flight(), 1);
+    }
+
     #[tokio::test]
     async fn validation_judges_the_range_of_added_addresses_only() {
         let (adm, store) = admission();

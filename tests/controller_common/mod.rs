@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use clusterip_test_support::{die_with_parent, owned_temp_dir, ControlPlane};
+use clusterip_test_support::{die_with_parent, local_get, owned_temp_dir, ControlPlane};
 
 /// `--client-ca-file` and `--allowed-client-names` accepting the kube-apiserver's client
 /// certificate for webhooks (and nothing else).
@@ -159,14 +159,8 @@ impl Controller {
     pub async fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).await {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let _ = s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
-                let mut buf = Vec::new();
-                let _ = s.read_to_end(&mut buf).await;
-                if buf.starts_with(b"HTTP/1.1 200") {
-                    return;
-                }
+            if let Some((200, _)) = local_get(self.metrics_port, "/readyz").await {
+                return;
             }
             assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(100)).await;

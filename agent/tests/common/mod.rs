@@ -1,14 +1,16 @@
-//! Test support for the agent's network-namespace tests: namespaces, a node/client/backend
+//! Agent fixtures for the agent's network-namespace tests and benches: a node/client/backend
 //! topology, responders answering with their own name, the agent process, and the
 //! Kubernetes objects (Services without selectors, EndpointSlices written by the test).
+//! What is not the agent's — namespaces ([`Netns`]) and their setup commands, waiting,
+//! addresses, child-process guards — comes from `clusterip-test-support`
+//! (`tests/support/`), re-exported here.
 //!
 //! Nothing a test starts outlives it: network namespaces are named
 //! `cip<pid>x<seq><tag>` (pid = this test process; `scripts/dev-cluster.sh reap` deletes
 //! those whose process is gone, should a run be killed before its drops ran), and every
 //! long-running process spawned here (the agent) gets `PR_SET_PDEATHSIG(SIGKILL)`
 //! ([`command`]). Short setup commands (`ip`, `nft`, `sysctl`) end on their own and are
-//! spawned plainly: `posix_spawn` rather than `fork` + `pre_exec`, which keeps short the
-//! window in which a child still holds copies of the test's sockets (until its `exec`).
+//! spawned plainly ([`sh`]).
 //!
 //! Topology (all in namespaces created here, removed on drop even when a test fails):
 //!
@@ -24,10 +26,10 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,6 +38,9 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
 
+#[allow(unused_imports)] // each test binary uses some
+pub use clusterip_test_support::{die_with_parent, in_netns, ip, ns_sh, ns_try, sa, sh, short_name, wait_for, Netns};
+
 pub const TCP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
 
@@ -43,80 +48,8 @@ pub const UDP_PORT: u16 = 5353;
 /// from the test's own thread, not from a helper thread that ends before it.
 pub fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut cmd = Command::new(program);
-    clusterip_agent::netns::die_with_parent(&mut cmd);
+    die_with_parent(&mut cmd);
     cmd
-}
-
-/// Run a command; panic with its output if it fails (test setup only).
-pub fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
-    assert!(out.status.success(), "{args:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Run a command in a namespace (`ip netns exec`).
-pub fn ns_sh(ns: &str, args: &[&str]) -> String {
-    let mut v = vec!["ip", "netns", "exec", ns];
-    v.extend_from_slice(args);
-    sh(&v)
-}
-
-/// Like `ns_sh`, returning None on failure.
-pub fn ns_try(ns: &str, args: &[&str]) -> Option<String> {
-    let out = Command::new("ip").args(["netns", "exec", ns]).args(args).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
-/// A short name unique in this run: `{prefix}{pid}x{seq}` (proxy names, label values).
-pub fn unique(prefix: &str) -> String {
-    format!("{prefix}{}x{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed))
-}
-
-/// The name of a network namespace owned by this process: `cip<pid>x<seq><tag>` (the
-/// convention `scripts/dev-cluster.sh reap` relies on: `cip<owner pid>x…`). Interface
-/// names (at most 15 characters) are separate and short: `c0`, `br0`, `b<i>`, `eth0`.
-pub fn netns_name(tag: &str) -> String {
-    assert!(tag.chars().all(|c| c.is_ascii_alphanumeric()), "netns tag {tag:?}: letters and digits only");
-    format!("cip{}x{}{tag}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed))
-}
-
-/// A network namespace named by [`netns_name`], deleted on drop.
-pub struct Netns {
-    pub name: String,
-}
-
-impl Netns {
-    pub fn new(tag: &str) -> Netns {
-        let name = netns_name(tag);
-        sh(&["ip", "netns", "add", &name]);
-        let ns = Netns { name };
-        ns_sh(&ns.name, &["ip", "link", "set", "lo", "up"]);
-        ns
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
-    }
-}
-
-/// Run `f` on a thread that entered namespace `ns` (sockets made there stay there).
-pub fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    let path = format!("/run/netns/{ns}");
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-            // SAFETY: setns on this thread only, with a valid namespace fd.
-            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .unwrap_or_else(|_| panic!("thread in {ns} panicked"))
-    })
 }
 
 /// TCP/UDP responders in a backend namespace answering with `name`; stopped on drop.
@@ -306,18 +239,6 @@ impl UdpClient {
     }
 }
 
-/// Poll `f` until it returns Some or the deadline passes.
-pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The agent running against the node namespace; killed on drop.
 pub struct Agent {
     child: Child,
@@ -479,6 +400,23 @@ impl Ep {
     }
 }
 
+/// An EndpointSlice's shape beside its endpoints: by default the Service's slice
+/// `<service>-1`, IPv4, one unnamed TCP port [`TCP_PORT`].
+#[derive(Clone, Debug)]
+pub struct Slice {
+    pub name: String,
+    pub family: &'static str,
+    pub port_name: &'static str,
+    pub protocol: &'static str,
+    pub port: u16,
+}
+
+impl Slice {
+    fn of(svc: &str) -> Slice {
+        Slice { name: format!("{svc}-1"), family: "IPv4", port_name: "", protocol: "TCP", port: TCP_PORT }
+    }
+}
+
 impl KubeNs {
     pub fn new(rt: Arc<tokio::runtime::Runtime>) -> KubeNs {
         let cp = clusterip_test_support::control_plane();
@@ -504,9 +442,13 @@ impl KubeNs {
         self.rt.block_on(api.create(&PostParams::default(), &svc)).expect("create service")
     }
 
-    /// Write (create or replace) the EndpointSlice `slice` of Service `svc`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn slice(&self, svc: &str, slice: &str, family: &str, port_name: &str, protocol: &str, port: u16, eps: &[Ep]) {
+    /// Write (create or replace) an EndpointSlice of Service `svc` with endpoints `eps`:
+    /// the [`Slice`] defaults, changed by `tweak`.
+    pub fn slice(&self, svc: &str, eps: &[Ep], tweak: impl FnOnce(&mut Slice)) {
+        let mut shape = Slice::of(svc);
+        tweak(&mut shape);
+        let Slice { name: slice, family, port_name, protocol, port } = shape;
+        let slice = slice.as_str();
         let endpoints: Vec<serde_json::Value> = eps
             .iter()
             .map(|e| {
@@ -558,11 +500,6 @@ impl Drop for KubeNs {
 /// A runtime for the kube client calls of one test.
 pub fn runtime() -> Arc<tokio::runtime::Runtime> {
     Arc::new(tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime"))
-}
-
-/// `ip:port` socket address.
-pub fn sa(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse::<IpAddr>().expect("ip"), port)
 }
 
 /// The first ClusterIP of the family of `v6`.

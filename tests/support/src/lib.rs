@@ -14,6 +14,20 @@
 //! through [`die_with_parent`]; network namespaces are named [`netns_name`]
 //! (`cip<pid>x<suffix>`) and scratch directories come from [`owned_temp_dir`], so that a
 //! reap finds those whose process is gone.
+//!
+//! The one home of what the test binaries (controller and agent) and the benches share:
+//! waiting ([`poll`]), addresses and a plain HTTP GET ([`net`]), fuzz corpus replay
+//! ([`fuzz`]), network namespaces and their setup commands ([`netns`]), and child-process
+//! guards ([`die_with_parent`]).
+
+pub mod fuzz;
+pub mod net;
+pub mod netns;
+pub mod poll;
+
+pub use net::{http_get, ip, local_get, sa};
+pub use netns::{in_netns, ns_sh, ns_try, sh, short_name, Netns};
+pub use poll::{eventually, wait_for, wait_until};
 
 use std::collections::HashMap;
 use std::os::unix::process::CommandExt;

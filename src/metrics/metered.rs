@@ -1,4 +1,5 @@
-//! An [`AllocationStore`] that records Kubernetes-style allocator metrics around another.
+//! An [`AllocationStore`] that records Kubernetes-style allocator metrics around another: a
+//! decorator above `store/` (metrics depend on the store, never the reverse).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -7,16 +8,17 @@ use std::time::Instant;
 use async_trait::async_trait;
 
 use crate::cidr::{Family, ServiceCidr};
-use crate::metrics::Metrics;
+use crate::store::apiserver_ips::ApiserverIps;
+use crate::store::{AllocationStore, ParentRef, RangeUsage, StoreError, Unreadable};
 
-use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
+use super::Metrics;
 
 pub struct MeteredStore {
     inner: Arc<dyn AllocationStore>,
     metrics: Arc<Metrics>,
     /// The cluster's IPAddress view, when the store does not report its unreadable objects
     /// itself (the etcd backend).
-    recorded: Option<super::apiserver_ips::ApiserverIps>,
+    recorded: Option<ApiserverIps>,
 }
 
 impl MeteredStore {
@@ -25,7 +27,7 @@ impl MeteredStore {
     }
 
     /// Also report the unreadable IPAddress objects `recorded` sees.
-    pub fn with_recorded(mut self, recorded: super::apiserver_ips::ApiserverIps) -> Self {
+    pub fn with_recorded(mut self, recorded: ApiserverIps) -> Self {
         self.recorded = Some(recorded);
         self
     }
@@ -107,7 +109,7 @@ impl AllocationStore for MeteredStore {
         self.inner.ready().await
     }
 
-    fn unreadable(&self) -> Vec<super::Unreadable> {
+    fn unreadable(&self) -> Vec<Unreadable> {
         let mut all = self.inner.unreadable();
         all.extend(self.recorded.iter().flat_map(|r| r.unreadable()));
         all

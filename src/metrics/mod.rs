@@ -1,5 +1,7 @@
 //! Prometheus metrics of the controller, named after Kubernetes' own under our prefix
-//! `clusterip_` (Kubernetes: `kube_apiserver_clusterip_allocator_*`).
+//! `clusterip_` (Kubernetes: `kube_apiserver_clusterip_allocator_*`). The allocator's are
+//! recorded by [`MeteredStore`], a decorator over any store; serving them over HTTP is the
+//! controller command's (`src/cli/monitoring.rs`).
 //!
 //! | metric | type | labels |
 //! |---|---|---|
@@ -28,6 +30,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+mod metered;
+
+pub use metered::MeteredStore;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CidrLabels {
@@ -243,53 +249,6 @@ impl Metrics {
         let _ = encode_eof(&mut out);
         out
     }
-}
-
-/// Serve `/metrics`, `/healthz`, `/readyz` over plain HTTP (HTTP/1.1) until the task is
-/// dropped, with the same limits on clients as the webhook ([`crate::serve`]). The
-/// allocated/available and unreadable-record gauges are refreshed from the store on each
-/// scrape. `/readyz` asks the store itself ([`AllocationStore::ready`]: etcd or the
-/// kube-apiserver answers, every record readable), and answers 503 with the reason when it
-/// cannot, or once `draining` is set (the controller is shutting down).
-///
-/// [`AllocationStore::ready`]: crate::store::AllocationStore::ready
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    metrics: std::sync::Arc<Metrics>,
-    store: std::sync::Arc<crate::store::metered::MeteredStore>,
-    draining: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) {
-    use http_body_util::Full;
-    use hyper::body::Bytes;
-    use hyper::{Response, StatusCode};
-
-    let handler = move |req: hyper::Request<hyper::body::Incoming>| {
-        let (metrics, store, draining) = (metrics.clone(), store.clone(), draining.clone());
-        async move {
-            let (status, body) = match req.uri().path() {
-                "/metrics" => {
-                    let _ = store.refresh_gauges().await;
-                    (StatusCode::OK, metrics.encode())
-                }
-                "/healthz" | "/livez" => (StatusCode::OK, "ok".to_string()),
-                "/readyz" if draining.load(std::sync::atomic::Ordering::SeqCst) => (StatusCode::SERVICE_UNAVAILABLE, "shutting down".to_string()),
-                "/readyz" => match crate::store::AllocationStore::ready(store.as_ref()).await {
-                    Ok(_) => (StatusCode::OK, "ok".to_string()),
-                    Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("allocation store not ready: {e}")),
-                },
-                _ => (StatusCode::NOT_FOUND, "not found; try /metrics, /healthz or /readyz".to_string()),
-            };
-            let mut resp = Response::new(Full::new(Bytes::from(body)));
-            *resp.status_mut() = status;
-            resp
-        }
-    };
-    // Probes and scrapers: a few connections at a time.
-    let limits = crate::serve::Limits { max_connections: 64, ..Default::default() };
-    let server = crate::serve::Server { name: "metrics", tls: None, limits, handler, on_refusal: None };
-    // Serves for as long as the process runs (through the shutdown drain: /readyz must answer).
-    let (_never, stop) = tokio::sync::watch::channel(false);
-    crate::serve::serve(listener, server, stop, std::time::Duration::ZERO).await;
 }
 
 #[cfg(test)]

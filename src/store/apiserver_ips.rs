@@ -131,8 +131,7 @@ impl ApiserverIps {
         // (Metadata only: an object whose spec cannot be decoded still records the address.)
         match api.get_metadata_opt(&ip.to_string()).await {
             Ok(found) => Ok(found.is_some()),
-            Err(kube::Error::Api(s)) if s.code < 500 && s.code != 429 => Err(StoreError::Backend(format!("reading IPAddress {ip}: {} ({})", s.message, s.code))),
-            Err(e) => Err(StoreError::Unavailable(format!("reading IPAddress {ip}: {e}"))),
+            Err(e) => Err(StoreError::from_kube(format!("reading IPAddress {ip}"), e)),
         }
     }
 

@@ -54,7 +54,7 @@ use super::etcd_pool::{
     claim_key, decode_pool, encode_pool, pool_prefix, pool_target, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_LEASE_TTL_S, CLAIM_TIMEOUT, LEASE_MARGIN,
     LEASE_TTL,
 };
-use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
+use super::{AllocationStore, Cause, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
 use crate::sync::lock;
 
 /// How the etcd backend connects and batches. Flags: see [`EtcdArgs`].
@@ -198,21 +198,50 @@ pub async fn connect(cfg: &EtcdConfig) -> Result<Client, StoreError> {
     }
     let endpoints = cfg.endpoints.join(",");
     let connecting = Client::connect(cfg.endpoints.clone(), Some(opts));
-    let mut client = match tokio::time::timeout(cfg.dial_timeout, connecting).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(StoreError::Unavailable(format!("cannot connect to etcd at {endpoints}: {e}"))),
-        Err(_) => return Err(StoreError::Unavailable(format!("cannot connect to etcd at {endpoints}: no answer within {:?}", cfg.dial_timeout))),
-    };
+    let mut client = call(cfg.dial_timeout, connecting).await.map_err(|e| e.unavailable(format!("cannot connect to etcd at {endpoints}")))?;
     // The connection is lazy; prove etcd answers before reporting success.
-    match tokio::time::timeout(cfg.dial_timeout, client.status()).await {
-        Ok(Ok(_)) => Ok(client),
-        Ok(Err(e)) => Err(StoreError::Unavailable(format!("etcd at {endpoints} does not answer: {e}"))),
-        Err(_) => Err(StoreError::Unavailable(format!("etcd at {endpoints} does not answer within {:?}", cfg.dial_timeout))),
+    call(cfg.dial_timeout, client.status()).await.map_err(|e| e.unavailable(format!("etcd at {endpoints} does not answer")))?;
+    Ok(client)
+}
+
+/// Why one etcd request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// etcd (or the connection to it) answered with an error.
+    #[error(transparent)]
+    Rpc(#[from] etcd_client::Error),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// A stream ended before its answer came.
+    #[error("{0}")]
+    Closed(&'static str),
+}
+
+impl EtcdError {
+    /// etcd says a lease the request names does not exist (expired or revoked): gRPC
+    /// NotFound, the only NotFound a transaction of ours can get.
+    pub fn lease_not_found(&self) -> bool {
+        matches!(self, EtcdError::Rpc(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::NotFound)
+    }
+
+    /// The store's error for a failed request: `Unavailable`, nothing was acknowledged.
+    pub fn unavailable(self, context: impl Into<String>) -> StoreError {
+        StoreError::Unavailable(Cause::with(context, self))
+    }
+}
+
+/// One etcd request, given `timeout` to answer: every request of the backend goes
+/// through here, so a timeout and an error read the same everywhere.
+pub async fn call<T>(timeout: Duration, request: impl std::future::Future<Output = Result<T, etcd_client::Error>>) -> Result<T, EtcdError> {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(r) => r.map_err(EtcdError::Rpc),
+        Err(_) => Err(EtcdError::Timeout(timeout)),
     }
 }
 
 fn read_file(flag: &str, path: &PathBuf) -> Result<Vec<u8>, StoreError> {
-    std::fs::read(path).map_err(|e| StoreError::Backend(format!("{flag} {}: {e}", path.display())))
+    std::fs::read(path).map_err(|e| StoreError::Backend(Cause::with(format!("{flag} {}", path.display()), e)))
 }
 
 /// The key a range is stored under.
@@ -393,7 +422,7 @@ impl EtcdStore {
     /// With `cfg.pool_size > 0` this replica also keeps an address pool per range.
     pub async fn open(cfg: &EtcdConfig, cidrs: Vec<ServiceCidr>) -> Result<Self, StoreError> {
         if cidrs.is_empty() {
-            return Err(StoreError::Backend("no service CIDR configured".into()));
+            return Err(StoreError::Config("no service CIDR configured".into()));
         }
         let client = connect(cfg).await?;
         let targets: Vec<usize> = cidrs.iter().map(|c| pool_target(cfg.pool_size, c)).collect();
@@ -460,8 +489,8 @@ impl EtcdStore {
             .queue
             .send(Request { op, reply: Some(reply) })
             .await
-            .map_err(|_| StoreError::Unavailable("etcd committer stopped".into()))?;
-        answer.await.map_err(|_| StoreError::Unavailable("etcd committer stopped".into()))?
+            .map_err(|_| StoreError::Unavailable(Cause::new("etcd committer stopped")))?;
+        answer.await.map_err(|_| StoreError::Unavailable(Cause::new("etcd committer stopped")))?
     }
 
     /// The raw value of any etcd key (for importing the kube-apiserver's legacy bitmap), or
@@ -480,7 +509,7 @@ impl EtcdStore {
             .cidrs()
             .iter()
             .position(|c| c == cidr)
-            .ok_or_else(|| StoreError::Backend(format!("cannot import {cidr}: it is not one of the configured ranges ({})", self.describe())))?;
+            .ok_or_else(|| StoreError::Config(format!("cannot import {cidr}: it is not one of the configured ranges ({})", self.describe())))?;
         let mut added = 0;
         // One request per address through the committer keeps one code path for writes;
         // group commit turns them into a handful of transactions.
@@ -532,7 +561,7 @@ impl EtcdStore {
             Ok(created) => created,
             Err(e) => {
                 lock(&self.waiters).remove(&ip);
-                return Err(StoreError::Unavailable(format!("claiming {ip} from the pool of {owner}: {e}")));
+                return Err(StoreError::Unavailable(Cause::with(format!("claiming {ip} from the pool of {owner}"), e)));
             }
         };
         if !created {
@@ -542,7 +571,7 @@ impl EtcdStore {
         }
         let answer = tokio::time::timeout(CLAIM_TIMEOUT, answer).await;
         lock(&self.waiters).remove(&ip);
-        if let Err(e) = tokio::time::timeout(self.timeout, client.delete(key.clone(), None)).await.map_err(|_| "timeout".to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+        if let Err(e) = call(self.timeout, client.delete(key.clone(), None)).await {
             debug!(%key, error = %e, "could not delete an answered claim; the next claim replaces it, and its lease ends it");
         }
         match answer {
@@ -554,9 +583,9 @@ impl EtcdStore {
                 }
                 Ok(Some(a))
             }
-            _ => Err(StoreError::Unavailable(format!(
+            _ => Err(StoreError::Unavailable(Cause::new(format!(
                 "{ip} is held in the address pool of replica {owner}, which did not answer a claim within {CLAIM_TIMEOUT:?}; retry"
-            ))),
+            )))),
         }
     }
 
@@ -567,17 +596,12 @@ impl EtcdStore {
     /// seconds. A claim that is finished already — answered, unreadable, an earlier one of
     /// ours, or addressed to a replica that no longer pools the address — is replaced at
     /// once (compare on its mod revision). So a stale claim never blocks an address.
-    async fn write_claim(&self, client: &mut Client, key: &str, claim: &Claim) -> Result<bool, String> {
-        let body = serde_json::to_vec(claim).map_err(|e| format!("encoding a claim: {e}"))?;
-        let within = |what: &'static str| move |_| format!("{what}: no answer from etcd within {:?}", self.timeout);
-        let lease = tokio::time::timeout(self.timeout, client.lease_grant(CLAIM_LEASE_TTL_S, None))
-            .await
-            .map_err(within("granting the claim's lease"))?
-            .map_err(|e| format!("granting the claim's lease: {e}"))?
-            .id();
+    async fn write_claim(&self, client: &mut Client, key: &str, claim: &Claim) -> Result<bool, Cause> {
+        let body = serde_json::to_vec(claim).map_err(|e| Cause::with("encoding a claim", e))?;
+        let lease = call(self.timeout, client.lease_grant(CLAIM_LEASE_TTL_S, None)).await.map_err(|e| Cause::with("granting the claim's lease", e))?.id();
         let put = || TxnOp::put(key, body.clone(), Some(PutOptions::new().with_lease(lease)));
         let txn = Txn::new().when([Compare::version(key, CompareOp::Equal, 0)]).and_then([put()]).or_else([TxnOp::get(key, None)]);
-        let resp = tokio::time::timeout(self.timeout, client.txn(txn)).await.map_err(within("writing the claim"))?.map_err(|e| e.to_string())?;
+        let resp = call(self.timeout, client.txn(txn)).await.map_err(|e| Cause::with("writing the claim", e))?;
         if resp.succeeded() {
             return Ok(true);
         }
@@ -595,7 +619,7 @@ impl EtcdStore {
         }
         debug!(%key, "replacing a finished claim");
         let txn = Txn::new().when([Compare::mod_revision(key, CompareOp::Equal, revision)]).and_then([put()]);
-        let resp = tokio::time::timeout(self.timeout, client.txn(txn)).await.map_err(within("replacing a finished claim"))?.map_err(|e| e.to_string())?;
+        let resp = call(self.timeout, client.txn(txn)).await.map_err(|e| Cause::with("replacing a finished claim", e))?;
         Ok(resp.succeeded())
     }
 
@@ -742,13 +766,9 @@ impl EtcdStore {
             let txn = Txn::new()
                 .when([Compare::mod_revision(key.clone(), CompareOp::Equal, stored.mod_revision())])
                 .and_then([TxnOp::put(key.clone(), map.snapshot(), None)]);
-            let resp = match tokio::time::timeout(self.timeout, self.client.clone().txn(txn)).await {
-                Ok(Ok(resp)) => resp,
-                Ok(Err(e)) => return Err(StoreError::Unavailable(format!("writing the rebuilt map to {key}: {e}"))),
-                Err(_) => return Err(StoreError::Unavailable(format!("writing the rebuilt map to {key}: no answer within {:?}", self.timeout))),
-            };
+            let resp = call(self.timeout, self.client.clone().txn(txn)).await.map_err(|e| e.unavailable(format!("writing the rebuilt map to {key}")))?;
             if !resp.succeeded() {
-                return Err(StoreError::Unavailable(format!("{key} changed while it was being rebuilt; run the rebuild again")));
+                return Err(StoreError::Unavailable(Cause::new(format!("{key} changed while it was being rebuilt; run the rebuild again"))));
             }
             info!(%key, addresses = map.used(), "rebuilt an unreadable allocation map");
             done.push(Rebuilt { key: key.clone(), addresses: map.used() as usize, from_cluster, owned, pooled });
@@ -877,7 +897,7 @@ impl AllocationStore for EtcdStore {
             // so it is a record. Either way it is released below; the map is never changed
             // while the owner could still hand it out.
             if self.ask_owner(range, ip, &owner).await?.is_none() {
-                return Err(StoreError::Unavailable(format!("{ip} is being claimed from the address pool of replica {owner} right now; retry the release")));
+                return Err(StoreError::Unavailable(Cause::new(format!("{ip} is being claimed from the address pool of replica {owner} right now; retry the release"))));
             }
         }
         self.submit(range, Op::Release(ip, None)).await.map(|_| ())
@@ -990,11 +1010,7 @@ async fn get(client: &mut Client, key: &str, timeout: Duration) -> Result<Option
 
 /// One read (of a key, or with `with_prefix` of everything under it), within `timeout`.
 async fn read(client: &mut Client, key: &str, options: Option<GetOptions>, timeout: Duration) -> Result<etcd_client::GetResponse, StoreError> {
-    match tokio::time::timeout(timeout, client.get(key, options)).await {
-        Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(StoreError::Unavailable(format!("reading {key} from etcd: {e}"))),
-        Err(_) => Err(StoreError::Unavailable(format!("reading {key} from etcd: no answer within {timeout:?}"))),
-    }
+    call(timeout, client.get(key, options)).await.map_err(|e| e.unavailable(format!("reading {key} from etcd")))
 }
 
 /// The owner keys among `kvs` (read under `prefix`, the range's owner prefix).
@@ -1124,11 +1140,10 @@ async fn answer_claim(ctx: RangeCtx, key: String, ip: IpAddr, claim: Claim) {
         .when([Compare::version(key.clone(), CompareOp::Greater, 0)])
         .and_then([TxnOp::put(key.clone(), body, Some(PutOptions::new().with_ignore_lease()))]);
     let mut client = ctx.client.clone();
-    match tokio::time::timeout(ctx.timeout, client.txn(txn)).await {
-        Ok(Ok(r)) if r.succeeded() => debug!(%ip, granted, claimant = %answer.claimant, "answered a claim on a pooled address"),
-        Ok(Ok(_)) => debug!(%ip, "a claim was withdrawn before it was answered; the address is left to repair"),
-        Ok(Err(e)) => warn!(%ip, error = %e, "could not answer a claim on a pooled address"),
-        Err(_) => warn!(%ip, "could not answer a claim on a pooled address: etcd did not answer"),
+    match call(ctx.timeout, client.txn(txn)).await {
+        Ok(r) if r.succeeded() => debug!(%ip, granted, claimant = %answer.claimant, "answered a claim on a pooled address"),
+        Ok(_) => debug!(%ip, "a claim was withdrawn before it was answered; the address is left to repair"),
+        Err(e) => warn!(%ip, error = %e, "could not answer a claim on a pooled address"),
     }
 }
 
@@ -1176,15 +1191,6 @@ async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// One batch's error, as each of its callers gets it (the kind kept, the text whole).
-fn for_each_caller(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Corrupt { record, reason, consequence } => StoreError::Corrupt { record: record.clone(), reason: reason.clone(), consequence },
-        e if e.is_transient() => StoreError::Unavailable(e.to_string()),
-        e => StoreError::Backend(e.to_string()),
-    }
-}
-
 struct Committer {
     ctx: RangeCtx,
     max_batch: usize,
@@ -1227,7 +1233,7 @@ impl Committer {
                 Err(e) => {
                     for req in batch {
                         if let Some(reply) = req.reply {
-                            let _ = reply.send(Err(for_each_caller(&e)));
+                            let _ = reply.send(Err(e.clone()));
                         }
                     }
                 }
@@ -1318,7 +1324,7 @@ impl Committer {
                                 owners.remove(ip);
                             }
                             (None, Some(_)) if map.has(*ip) => {
-                                return Err(StoreError::Backend(format!("{ip} is recorded without an owner; release it without --parent")));
+                                return Err(StoreError::NoOwnerRecorded(*ip));
                             }
                             (None, _) => owner_guards.push(Compare::version(okey, CompareOp::Equal, 0)),
                         }
@@ -1414,10 +1420,10 @@ impl Committer {
                 .when(guards)
                 .and_then(then)
                 .or_else([TxnOp::get(key.clone(), None), TxnOp::get(owner_prefix(&key), Some(GetOptions::new().with_prefix()))]);
-            let resp = match tokio::time::timeout(self.ctx.timeout, self.ctx.client.clone().txn(txn)).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => {
-                    if e.to_string().contains("lease not found") && lease.is_some() {
+            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn)).await {
+                Ok(r) => r,
+                Err(e) => {
+                    if e.lease_not_found() && lease.is_some() {
                         // Our lease ran out under us: the pool is no longer ours to hand
                         // out. Drop it and decide the batch again without pool writes.
                         self.ctx.pool.set_lease(None);
@@ -1426,11 +1432,7 @@ impl Committer {
                         continue;
                     }
                     self.stale = true;
-                    return Err(StoreError::Unavailable(format!("writing {key} to etcd: {e}")));
-                }
-                Err(_) => {
-                    self.stale = true;
-                    return Err(StoreError::Unavailable(format!("writing {key} to etcd: no answer within {:?}", self.ctx.timeout)));
+                    return Err(e.unavailable(format!("writing {key} to etcd")));
                 }
             };
             if resp.succeeded() {
@@ -1476,7 +1478,7 @@ impl Committer {
                 }
             }
         }
-        Err(StoreError::Unavailable(format!("{key}: gave up after {MAX_CONFLICT_RETRIES} conflicting writes")))
+        Err(StoreError::Unavailable(Cause::new(format!("{key}: gave up after {MAX_CONFLICT_RETRIES} conflicting writes"))))
     }
 }
 
@@ -1586,15 +1588,15 @@ async fn keep_lease(mut client: Client, pool: Arc<OwnPool>, queues: Vec<mpsc::Se
 }
 
 /// One keep-alive round trip; the TTL etcd reports (0 = the lease is gone).
-async fn renew(client: &mut Client, id: i64) -> Result<i64, String> {
+async fn renew(client: &mut Client, id: i64) -> Result<i64, EtcdError> {
     let round = async {
-        let (mut keeper, mut stream) = client.lease_keep_alive(id).await.map_err(|e| e.to_string())?;
-        keeper.keep_alive().await.map_err(|e| e.to_string())?;
-        match stream.message().await {
-            Ok(Some(r)) => Ok(r.ttl()),
-            Ok(None) => Err("keep-alive stream closed".to_string()),
-            Err(e) => Err(e.to_string()),
+        let (mut keeper, mut stream) = client.lease_keep_alive(id).await?;
+        keeper.keep_alive().await?;
+        match stream.message().await? {
+            Some(r) => Ok(r.ttl()),
+            None => Err(EtcdError::Closed("keep-alive stream closed")),
         }
     };
-    tokio::time::timeout(Duration::from_secs(5), round).await.map_err(|_| "no answer within 5s".to_string())?
+    let limit = Duration::from_secs(5);
+    tokio::time::timeout(limit, round).await.map_err(|_| EtcdError::Timeout(limit))?
 }

@@ -192,7 +192,7 @@ impl IpAddressStore {
     /// Start the watches and wait until the caches hold a full list.
     pub async fn open(client: Client, cfg: IpAddressConfig) -> Result<Self, StoreError> {
         if cfg.ranges.is_empty() && !cfg.use_servicecidrs {
-            return Err(StoreError::Backend("no service CIDR configured: give ranges or enable ServiceCIDR objects".into()));
+            return Err(StoreError::Config("no service CIDR configured: give ranges or enable ServiceCIDR objects".into()));
         }
         let state = Arc::new(Mutex::new(State::default()));
         lock(&state).rebuild_ranges(&cfg.ranges);
@@ -208,7 +208,8 @@ impl IpAddressStore {
                 return Err(StoreError::Unavailable(format!(
                     "IPAddress cache not synced within {:?}: is the kube-apiserver reachable, and does it serve networking.k8s.io/v1?",
                     store.cfg.sync_timeout
-                )));
+                )
+                .into()));
             }
         }
         Ok(store)
@@ -282,11 +283,7 @@ impl IpAddressStore {
 }
 
 fn api_error(what: &str, name: &str, e: kube::Error) -> StoreError {
-    match &e {
-        kube::Error::Api(s) if s.code >= 500 || s.code == 429 => StoreError::Unavailable(format!("{what} {name}: {e}")),
-        kube::Error::Api(_) => StoreError::Backend(format!("{what} {name}: {e}")),
-        _ => StoreError::Unavailable(format!("{what} {name}: {e}")),
-    }
+    StoreError::from_kube(format!("{what} {name}"), e)
 }
 
 #[async_trait]
@@ -433,7 +430,7 @@ impl IpAddressStore {
                     Err(kube::Error::Api(s)) if s.code == 404 => {}
                     // Changed since the read (replaced or updated): not the object we judged.
                     Err(kube::Error::Api(s)) if s.code == 409 => {
-                        return Err(StoreError::Unavailable(format!("IPAddress {name} changed while being released; retry")));
+                        return Err(StoreError::Unavailable(format!("IPAddress {name} changed while being released; retry").into()));
                     }
                     Err(e) => return Err(api_error("deleting IPAddress", &name, e)),
                 }

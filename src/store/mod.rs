@@ -14,6 +14,7 @@ pub mod apiserver_ips;
 pub mod blocks;
 pub mod etcd;
 pub mod etcd_pool;
+pub mod fold;
 pub mod ipaddress;
 pub mod legacy;
 pub mod memory;

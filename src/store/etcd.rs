@@ -107,7 +107,8 @@ impl Drop for EtcdStore {
     }
 }
 
-/// Everything the watch of one range needs to act on what it sees.
+/// What the parts of one range share: its committer, its watch and the answers to claims
+/// on its pooled addresses.
 #[derive(Clone)]
 struct RangeCtx {
     index: usize,

@@ -221,7 +221,7 @@ fn print(args: &RepairArgs, r: &PassResult, took: Duration) -> anyhow::Result<()
                         "action": f.action.code(),
                         "detail": f.action.to_string(),
                         "result": match o { Outcome::Applied => "applied", Outcome::NotApplied => "not-applied", Outcome::Failed(_) => "failed" },
-                        "error": match o { Outcome::Failed(e) => Some(e.clone()), _ => None },
+                        "error": match o { Outcome::Failed(e) => Some(e.to_string()), _ => None },
                         "event": f.event.as_ref().map(|e| json!({"reason": e.reason, "message": e.note})),
                     })
                 })

@@ -57,14 +57,47 @@ pub enum Target {
 }
 
 /// What happened to one finding.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Outcome {
     /// Dry run, or an action that changes nothing (Event, report only, wait).
     NotApplied,
     /// The action was carried out (the Event was posted, the record changed).
     Applied,
-    /// The action failed; the text says why.
-    Failed(String),
+    /// The action failed, and why.
+    Failed(ActionError),
+}
+
+/// Why one repair action failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum ActionError {
+    /// The etcd backend refused or could not be reached.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The finding's address does not parse (a garbled record name).
+    #[error(transparent)]
+    Address(#[from] cidr::CidrError),
+    /// The IPAddress object changed since the pass read it.
+    #[error("IPAddress {0} changed since it was read; left for the next pass")]
+    Changed(String),
+    /// The kube-apiserver refused a create or delete of an IPAddress object.
+    #[error("{what} IPAddress {name}: {source}")]
+    Api { what: &'static str, name: String, source: Arc<kube::Error> },
+    /// The finding names no record to act on ("release", "replace").
+    #[error("no record to {0}")]
+    NoRecord(&'static str),
+    /// The finding names no Service to record the address for.
+    #[error("no Service to record the address for")]
+    NoService,
+}
+
+impl ActionError {
+    /// The `type` label of `clusterip_repair_ip_errors_total` for a failed action.
+    pub fn metric_type(&self) -> &'static str {
+        match self {
+            ActionError::Store(StoreError::Alloc(crate::alloc::AllocError::Full)) => "full",
+            _ => "unknown",
+        }
+    }
 }
 
 /// One pass's findings and what became of each.
@@ -84,7 +117,7 @@ impl PassResult {
             .findings
             .iter()
             .zip(&self.outcomes)
-            .filter(|(f, o)| !(f.action.changes_records() && **o == Outcome::Applied))
+            .filter(|(f, o)| !(f.action.changes_records() && matches!(o, Outcome::Applied)))
             .count()
     }
 
@@ -202,10 +235,9 @@ impl Repairer {
             if let Outcome::Failed(why) = &outcome {
                 warn!(kind = f.kind.as_str(), address = %f.address, error = %why, "repair action failed");
                 if let Some(m) = &self.metrics {
-                    let t = if why.contains("range is full") { "full" } else { "unknown" };
-                    m.repair_ip_errors.get_or_create(&crate::metrics::RepairLabels { r#type: t }).inc();
+                    m.repair_ip_errors.get_or_create(&crate::metrics::RepairLabels { r#type: why.metric_type() }).inc();
                 }
-            } else if outcome == Outcome::Applied {
+            } else if matches!(outcome, Outcome::Applied) {
                 let what = if f.action.changes_records() { "repaired" } else { "reported" };
                 info!(kind = f.kind.as_str(), address = %f.address, owner = %f.owner, action = %f.action, "{what}");
                 if f.action == Action::Release {
@@ -264,19 +296,19 @@ impl Repairer {
     async fn apply(&self, f: &Finding) -> Outcome {
         let changed = match (&f.action, &self.target) {
             (Action::Release, Target::Etcd(store)) => match cidr::parse_ip(&f.address) {
-                Ok(ip) => store.release(ip).await.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
+                Ok(ip) => store.release(ip).await.map_err(ActionError::from),
+                Err(e) => Err(e.into()),
             },
             (Action::Create, Target::Etcd(store)) => match cidr::parse_ip(&f.address) {
                 Ok(ip) => match store.allocate(ip, None).await {
                     Ok(()) | Err(StoreError::Alloc(crate::alloc::AllocError::Allocated)) => Ok(()),
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(e.into()),
                 },
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e.into()),
             },
             (Action::Release, Target::IpAddress { .. }) => match &f.record {
                 Some(r) => self.delete_record(r).await,
-                None => Err("no record to release".into()),
+                None => Err(ActionError::NoRecord("release")),
             },
             (Action::Create, Target::IpAddress { manager, .. }) => self.create_record(&f.address, f.service.as_ref(), manager).await,
             (Action::Replace, Target::IpAddress { manager, .. }) => match &f.record {
@@ -284,7 +316,7 @@ impl Repairer {
                     Ok(()) => self.create_record(&f.address, f.service.as_ref(), manager).await,
                     Err(e) => Err(e),
                 },
-                None => Err("no record to replace".into()),
+                None => Err(ActionError::NoRecord("replace")),
             },
             (Action::Event, _) => Ok(()),
             _ => return Outcome::NotApplied,
@@ -301,20 +333,20 @@ impl Repairer {
     }
 
     /// Delete one of our IPAddress objects, only if it is still the object that was read.
-    async fn delete_record(&self, r: &RecordView) -> Result<(), String> {
+    async fn delete_record(&self, r: &RecordView) -> Result<(), ActionError> {
         let api: Api<IPAddress> = Api::all(self.client.clone());
         let dp = DeleteParams { preconditions: Some(Preconditions { uid: r.uid.clone(), resource_version: r.resource_version.clone() }), ..Default::default() };
         match api.delete(&r.name, &dp).await {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 409 => Err(format!("IPAddress {} changed since it was read; left for the next pass", r.name)),
-            Err(e) => Err(format!("deleting IPAddress {}: {e}", r.name)),
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(ActionError::Changed(r.name.clone())),
+            Err(e) => Err(ActionError::Api { what: "deleting", name: r.name.clone(), source: Arc::new(e) }),
         }
     }
 
-    async fn create_record(&self, address: &str, service: Option<&(String, String)>, manager: &str) -> Result<(), String> {
-        let Some((ns, name)) = service else { return Err("no Service to record the address for".into()) };
-        let ip = cidr::parse_ip(address).map_err(|e| e.to_string())?;
+    async fn create_record(&self, address: &str, service: Option<&(String, String)>, manager: &str) -> Result<(), ActionError> {
+        let Some((ns, name)) = service else { return Err(ActionError::NoService) };
+        let ip = cidr::parse_ip(address)?;
         let obj = IPAddress {
             metadata: ObjectMeta {
                 name: Some(ip.to_string()),
@@ -329,7 +361,7 @@ impl Repairer {
         match api.create(&PostParams::default(), &obj).await {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(()), // recorded meanwhile
-            Err(e) => Err(format!("creating IPAddress {ip}: {e}")),
+            Err(e) => Err(ActionError::Api { what: "creating", name: ip.to_string(), source: Arc::new(e) }),
         }
     }
 

@@ -12,16 +12,14 @@ use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
-use futures::StreamExt;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, PartialObjectMeta};
-use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use tokio::sync::watch;
 use tracing::warn;
 
 use crate::cidr;
 
+use super::fold::{fold, Change};
 use super::{StoreError, Unreadable};
 use crate::sync::{read, write};
 
@@ -57,55 +55,44 @@ impl ApiserverIps {
         let (set, bad, added) = (me.set.clone(), me.bad.clone(), me.added.clone());
         let task = tokio::spawn(async move {
             let api: Api<PartialObjectMeta<IPAddress>> = Api::all(client);
-            let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
-            let mut relist: Option<(HashSet<IpAddr>, BTreeSet<String>)> = None;
-            let judge = |o: &PartialObjectMeta<IPAddress>| -> Result<IpAddr, String> {
+            // The address an object's name records, or the name that records none.
+            let read = |o: &PartialObjectMeta<IPAddress>| -> Result<IpAddr, String> {
                 let name = o.metadata.name.clone().unwrap_or_default();
                 address(&name).ok_or(name)
             };
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(Event::Init) => relist = Some(Default::default()),
-                    Ok(Event::InitApply(o)) => match (relist.as_mut(), judge(&o)) {
-                        (Some((l, _)), Ok(ip)) => {
-                            l.insert(ip);
-                        }
-                        (Some((_, b)), Err(name)) => {
-                            b.insert(name);
-                        }
-                        _ => {}
-                    },
-                    Ok(Event::InitDone) => {
-                        let (ips, names) = relist.take().unwrap_or_default();
-                        *write(&set) = ips;
-                        for name in &names {
-                            warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
-                        }
-                        *write(&bad) = names;
-                        tx.send_replace(true);
-                        added.send_modify(|n| *n += 1);
+            fold(api, "IPAddress", read, |change| match change {
+                Change::Replace(list) => {
+                    let (mut ips, mut names) = (HashSet::new(), BTreeSet::new());
+                    for judged in list {
+                        match judged {
+                            Ok(ip) => ips.insert(ip),
+                            Err(name) => names.insert(name),
+                        };
                     }
-                    Ok(Event::Apply(o)) => match judge(&o) {
-                        Ok(ip) => {
-                            write(&set).insert(ip);
-                            added.send_modify(|n| *n += 1);
-                        }
-                        Err(name) => {
-                            warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
-                            write(&bad).insert(name);
-                        }
-                    },
-                    Ok(Event::Delete(o)) => match judge(&o) {
-                        Ok(ip) => {
-                            write(&set).remove(&ip);
-                        }
-                        Err(name) => {
-                            write(&bad).remove(&name);
-                        }
-                    },
-                    Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
+                    *write(&set) = ips;
+                    for name in &names {
+                        warn_unreadable(name);
+                    }
+                    *write(&bad) = names;
+                    tx.send_replace(true);
+                    added.send_modify(|n| *n += 1);
                 }
-            }
+                Change::Apply(Ok(ip)) => {
+                    write(&set).insert(ip);
+                    added.send_modify(|n| *n += 1);
+                }
+                Change::Apply(Err(name)) => {
+                    warn_unreadable(&name);
+                    write(&bad).insert(name);
+                }
+                Change::Delete(Ok(ip)) => {
+                    write(&set).remove(&ip);
+                }
+                Change::Delete(Err(name)) => {
+                    write(&bad).remove(&name);
+                }
+            })
+            .await
         });
         (me, rx, task)
     }
@@ -131,8 +118,7 @@ impl ApiserverIps {
         // (Metadata only: an object whose spec cannot be decoded still records the address.)
         match api.get_metadata_opt(&ip.to_string()).await {
             Ok(found) => Ok(found.is_some()),
-            Err(kube::Error::Api(s)) if s.code < 500 && s.code != 429 => Err(StoreError::Backend(format!("reading IPAddress {ip}: {} ({})", s.message, s.code))),
-            Err(e) => Err(StoreError::Unavailable(format!("reading IPAddress {ip}: {e}"))),
+            Err(e) => Err(StoreError::from_kube(format!("reading IPAddress {ip}"), e)),
         }
     }
 
@@ -158,6 +144,10 @@ impl ApiserverIps {
     pub fn additions(&self) -> watch::Receiver<u64> {
         self.added.subscribe()
     }
+}
+
+fn warn_unreadable(name: &str) {
+    warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
 }
 
 /// The address an IPAddress object's name records, if it is one.

@@ -253,8 +253,8 @@ impl Drop for BlockStore {
 
 fn api_err(what: &str, e: kube::Error) -> StoreError {
     match e {
-        kube::Error::Api(s) if s.code < 500 && s.code != 429 => StoreError::Backend(format!("{what}: {} ({})", s.message, s.code)),
-        other => StoreError::Unavailable(format!("{what}: {other}")),
+        kube::Error::Api(s) if s.code < 500 && s.code != 429 => StoreError::Backend(format!("{what}: {} ({})", s.message, s.code).into()),
+        other => StoreError::Unavailable(format!("{what}: {other}").into()),
     }
 }
 
@@ -276,7 +276,7 @@ impl BlockStore {
     /// view `recorded` (already synced). `identity` names the replica in the Leases.
     pub async fn open(client: Client, namespace: &str, ranges: Vec<ServiceCidr>, recorded: ApiserverIps, identity: &str, options: BlockOptions) -> Result<Arc<Self>, StoreError> {
         if ranges.is_empty() {
-            return Err(StoreError::Backend("no service CIDR configured".into()));
+            return Err(StoreError::Config("no service CIDR configured".into()));
         }
         let nonce: u32 = rand::thread_rng().gen();
         let holder = format!("{identity}/{nonce:08x}");
@@ -425,7 +425,7 @@ impl BlockStore {
             // Someone else was quicker: look again.
             self.observe().await?;
         }
-        Err(StoreError::Unavailable(format!("could not take an address block of {cidr}: others took each one tried first")))
+        Err(StoreError::Unavailable(format!("could not take an address block of {cidr}: others took each one tried first").into()))
     }
 
     fn block_lease(&self, cidr: &ServiceCidr, span: BlockSpan) -> Lease {
@@ -843,7 +843,7 @@ impl AllocationStore for BlockStore {
         match tokio::time::timeout(READY_TIMEOUT, self.leases.list_metadata(&one)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(api_err("listing address block Leases", e)),
-            Err(_) => Err(StoreError::Unavailable(format!("listing address block Leases: the kube-apiserver did not answer within {READY_TIMEOUT:?}"))),
+            Err(_) => Err(StoreError::Unavailable(format!("listing address block Leases: the kube-apiserver did not answer within {READY_TIMEOUT:?}").into())),
         }
     }
 

@@ -19,11 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::StreamExt;
 use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference, ServiceCIDR};
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
-use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::Client;
 use tokio::sync::watch;
 use tracing::{debug, warn};
@@ -31,6 +28,7 @@ use tracing::{debug, warn};
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{self, Family, ServiceCidr};
 
+use super::fold::{fold, Change};
 use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
 use crate::sync::lock;
 
@@ -192,7 +190,7 @@ impl IpAddressStore {
     /// Start the watches and wait until the caches hold a full list.
     pub async fn open(client: Client, cfg: IpAddressConfig) -> Result<Self, StoreError> {
         if cfg.ranges.is_empty() && !cfg.use_servicecidrs {
-            return Err(StoreError::Backend("no service CIDR configured: give ranges or enable ServiceCIDR objects".into()));
+            return Err(StoreError::Config("no service CIDR configured: give ranges or enable ServiceCIDR objects".into()));
         }
         let state = Arc::new(Mutex::new(State::default()));
         lock(&state).rebuild_ranges(&cfg.ranges);
@@ -208,7 +206,8 @@ impl IpAddressStore {
                 return Err(StoreError::Unavailable(format!(
                     "IPAddress cache not synced within {:?}: is the kube-apiserver reachable, and does it serve networking.k8s.io/v1?",
                     store.cfg.sync_timeout
-                )));
+                )
+                .into()));
             }
         }
         Ok(store)
@@ -282,11 +281,7 @@ impl IpAddressStore {
 }
 
 fn api_error(what: &str, name: &str, e: kube::Error) -> StoreError {
-    match &e {
-        kube::Error::Api(s) if s.code >= 500 || s.code == 429 => StoreError::Unavailable(format!("{what} {name}: {e}")),
-        kube::Error::Api(_) => StoreError::Backend(format!("{what} {name}: {e}")),
-        _ => StoreError::Unavailable(format!("{what} {name}: {e}")),
-    }
+    StoreError::from_kube(format!("{what} {name}"), e)
 }
 
 #[async_trait]
@@ -433,7 +428,7 @@ impl IpAddressStore {
                     Err(kube::Error::Api(s)) if s.code == 404 => {}
                     // Changed since the read (replaced or updated): not the object we judged.
                     Err(kube::Error::Api(s)) if s.code == 409 => {
-                        return Err(StoreError::Unavailable(format!("IPAddress {name} changed while being released; retry")));
+                        return Err(StoreError::Unavailable(format!("IPAddress {name} changed while being released; retry").into()));
                     }
                     Err(e) => return Err(api_error("deleting IPAddress", &name, e)),
                 }
@@ -456,43 +451,27 @@ fn managed_by(obj: &IPAddress, manager: &str) -> bool {
 }
 
 async fn watch_ipaddresses(api: Api<IPAddress>, state: Arc<Mutex<State>>, manager: String, changed: watch::Sender<()>) {
-    let mut relist: Option<BTreeMap<IpAddr, bool>> = None;
-    let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Ok(Event::Init) => relist = Some(BTreeMap::new()),
-            Ok(Event::InitApply(obj)) => {
-                if let (Some(list), Some(ip)) = (relist.as_mut(), address_of(&obj)) {
-                    list.insert(ip, managed_by(&obj, &manager));
-                }
+    let read = |obj: &IPAddress| Some((address_of(obj)?, managed_by(obj, &manager)));
+    fold(api, "IPAddress", read, |change| match change {
+        Change::Replace(list) => {
+            let list: BTreeMap<IpAddr, bool> = list.into_iter().flatten().collect();
+            let mut st = lock(&state);
+            let gone: Vec<IpAddr> = st.objects.keys().filter(|ip| !list.contains_key(ip)).copied().collect();
+            for ip in gone {
+                st.forget(ip);
             }
-            Ok(Event::InitDone) => {
-                let list = relist.take().unwrap_or_default();
-                let mut st = lock(&state);
-                let gone: Vec<IpAddr> = st.objects.keys().filter(|ip| !list.contains_key(ip)).copied().collect();
-                for ip in gone {
-                    st.forget(ip);
-                }
-                for (ip, ours) in list {
-                    st.observe(ip, ours);
-                }
-                st.synced_ipaddresses = true;
-                drop(st);
-                changed.send_replace(());
+            for (ip, ours) in list {
+                st.observe(ip, ours);
             }
-            Ok(Event::Apply(obj)) => {
-                if let Some(ip) = address_of(&obj) {
-                    lock(&state).observe(ip, managed_by(&obj, &manager));
-                }
-            }
-            Ok(Event::Delete(obj)) => {
-                if let Some(ip) = address_of(&obj) {
-                    lock(&state).forget(ip);
-                }
-            }
-            Err(e) => warn!(error = %e, "IPAddress watch failed; retrying"),
+            st.synced_ipaddresses = true;
+            drop(st);
+            changed.send_replace(());
         }
-    }
+        Change::Apply(Some((ip, ours))) => lock(&state).observe(ip, ours),
+        Change::Delete(Some((ip, _))) => lock(&state).forget(ip),
+        Change::Apply(None) | Change::Delete(None) => {}
+    })
+    .await
 }
 
 /// The cidrs of a ServiceCIDR and whether it gives new addresses.
@@ -517,43 +496,24 @@ fn servicecidr_ranges(obj: &ServiceCIDR) -> Vec<(ServiceCidr, bool)> {
 }
 
 async fn watch_servicecidrs(api: Api<ServiceCIDR>, state: Arc<Mutex<State>>, flag_ranges: Vec<ServiceCidr>, changed: watch::Sender<()>) {
-    let mut relist: Option<BTreeMap<String, Vec<(ServiceCidr, bool)>>> = None;
-    let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
-    while let Some(ev) = stream.next().await {
-        let mut st = match ev {
-            Ok(Event::Init) => {
-                relist = Some(BTreeMap::new());
-                continue;
-            }
-            Ok(Event::InitApply(obj)) => {
-                if let Some(list) = relist.as_mut() {
-                    list.insert(obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(&obj));
-                }
-                continue;
-            }
-            Ok(Event::InitDone) => {
-                let mut st = lock(&state);
-                st.from_servicecidrs = relist.take().unwrap_or_default();
+    let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(obj));
+    fold(api, "ServiceCIDR", read, |change| {
+        let mut st = lock(&state);
+        match change {
+            Change::Replace(list) => {
+                st.from_servicecidrs = list.into_iter().collect();
                 st.synced_servicecidrs = true;
-                st
             }
-            Ok(Event::Apply(obj)) => {
-                let mut st = lock(&state);
-                st.from_servicecidrs.insert(obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(&obj));
-                st
+            Change::Apply((name, ranges)) => {
+                st.from_servicecidrs.insert(name, ranges);
             }
-            Ok(Event::Delete(obj)) => {
-                let mut st = lock(&state);
-                st.from_servicecidrs.remove(obj.metadata.name.as_deref().unwrap_or_default());
-                st
+            Change::Delete((name, _)) => {
+                st.from_servicecidrs.remove(&name);
             }
-            Err(e) => {
-                warn!(error = %e, "ServiceCIDR watch failed; retrying");
-                continue;
-            }
-        };
+        }
         st.rebuild_ranges(&flag_ranges);
         drop(st);
         changed.send_replace(());
-    }
+    })
+    .await
 }

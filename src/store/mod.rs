@@ -14,12 +14,14 @@ pub mod apiserver_ips;
 pub mod blocks;
 pub mod etcd;
 pub mod etcd_pool;
+pub mod fold;
 pub mod ipaddress;
 pub mod legacy;
 pub mod memory;
 mod ranges;
 
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -77,7 +79,10 @@ impl std::fmt::Display for ParentRef {
 }
 
 /// Why a store could not do what was asked.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Clone`, so the one error of a batched etcd transaction reaches each of its callers
+/// whole: the kind, the text and the underlying error (a shared [`Cause`]).
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The allocation rules said no (not in range, already allocated, full).
     #[error(transparent)]
@@ -87,21 +92,70 @@ pub enum StoreError {
     NoRangeForFamily(Family),
     /// The record could not be read or written; nothing was acknowledged.
     #[error("allocation store unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] Cause),
     /// The store has not finished its first sync.
     #[error("allocator not ready")]
     NotReady,
     /// A release by someone other than the address's recorded owner: nothing was released.
     #[error("{ip} is held by {owner}; only its owner releases it (pass --parent {owner})")]
     NotOwner { ip: IpAddr, owner: ParentRef },
+    /// An owned release of an address recorded without an owner: nothing was released.
+    #[error("{0} is recorded without an owner; release it without --parent")]
+    NoOwnerRecorded(IpAddr),
     /// A stored record could not be read. The allocator does not guess what it held: it
     /// refuses to allocate from (or release through) that record until it is readable again
     /// (`clusterip repair --rebuild` for an allocation map; docs/operations.md).
     #[error("{record} is unreadable ({reason}); {consequence}")]
     Corrupt { record: String, reason: String, consequence: &'static str },
-    /// Anything else from the backend, with its text.
+    /// The store was asked for something its configuration rules out (no range at all, a
+    /// range it does not hold).
     #[error("{0}")]
-    Backend(String),
+    Config(String),
+    /// The backend refused a request for good (not worth retrying unchanged).
+    #[error("{0}")]
+    Backend(#[source] Cause),
+}
+
+/// What a backend call failed on: what was being done, and the error underneath (shared,
+/// so a cloned [`StoreError`] keeps it). Displays as `context: source`.
+#[derive(Clone, Debug)]
+pub struct Cause {
+    context: String,
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Cause {
+    /// A cause with nothing underneath (the context says it all).
+    pub fn new(context: impl Into<String>) -> Self {
+        Self { context: context.into(), source: None }
+    }
+
+    /// `context`, caused by `source`.
+    pub fn with(context: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self { context: context.into(), source: Some(Arc::new(source)) }
+    }
+}
+
+impl From<String> for Cause {
+    fn from(context: String) -> Self {
+        Self::new(context)
+    }
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.context)?;
+        match &self.source {
+            Some(s) => write!(f, ": {s}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|s| s as &(dyn std::error::Error + 'static))
+    }
 }
 
 /// A stored record the backend cannot read (see [`StoreError::Corrupt`]), as reported by
@@ -120,6 +174,33 @@ impl StoreError {
     /// True when the request may succeed if retried unchanged (the backend was unreachable).
     pub fn is_transient(&self) -> bool {
         matches!(self, StoreError::Unavailable(_) | StoreError::NotReady)
+    }
+
+    /// The one reading of a kube-apiserver error: a 5xx, a 429 or no answer at all is
+    /// `Unavailable` (retry), any other refusal `Backend`.
+    pub fn from_kube(context: impl Into<String>, e: kube::Error) -> Self {
+        let refused = matches!(&e, kube::Error::Api(s) if s.code < 500 && s.code != 429);
+        let cause = Cause::with(context, e);
+        if refused {
+            StoreError::Backend(cause)
+        } else {
+            StoreError::Unavailable(cause)
+        }
+    }
+
+    /// The error's kind, as a metric label value.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            StoreError::Alloc(AllocError::NotInRange { .. } | AllocError::MismatchedNetwork) => "not_in_range",
+            StoreError::Alloc(AllocError::Allocated) => "allocated",
+            StoreError::Alloc(AllocError::Full) => "full",
+            StoreError::Alloc(AllocError::Snapshot(_)) | StoreError::Corrupt { .. } => "corrupt",
+            StoreError::NoRangeForFamily(_) | StoreError::Config(_) => "config",
+            StoreError::Unavailable(_) => "unavailable",
+            StoreError::NotReady => "not_ready",
+            StoreError::NotOwner { .. } | StoreError::NoOwnerRecorded(_) => "not_owner",
+            StoreError::Backend(_) => "backend",
+        }
     }
 }
 

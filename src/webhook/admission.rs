@@ -337,7 +337,7 @@ impl Admission {
             }
             debug!(%ip, "candidate already recorded as an IPAddress; keeping it reserved and trying the next");
         }
-        Err(StoreError::Unavailable(format!("{MAX_SKIPPED} candidates in a row were already recorded as IPAddress objects; run `clusterip repair` to sync the records")))
+        Err(StoreError::Unavailable(format!("{MAX_SKIPPED} candidates in a row were already recorded as IPAddress objects; run `clusterip repair` to sync the records").into()))
     }
 
     pub fn store(&self) -> &Arc<dyn AllocationStore> {

@@ -1,0 +1,186 @@
+//! The committer of one range: takes every request waiting in the range's queue (up to
+//! `max_batch`), decides them together ([`super::decide`]), and makes the decisions durable
+//! in one transaction ([`super::txn`]) — retrying on a fresh copy when another writer got
+//! there first.
+
+use std::net::IpAddr;
+
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, warn};
+
+use crate::alloc::AllocationMap;
+use crate::store::{Cause, StoreError};
+use crate::sync::lock;
+
+use super::client::call;
+use super::decide::{decide_batch, Op, Reply};
+use super::keys::decode;
+use super::view::reload;
+use super::{txn, RangeCtx};
+
+/// Conflicting transactions retried for one batch before its callers get an error.
+const MAX_CONFLICT_RETRIES: usize = 1000;
+
+pub(super) struct Request {
+    pub op: Op,
+    /// None for background work (pool fills and syncs) nobody waits for.
+    pub reply: Option<oneshot::Sender<Reply>>,
+}
+
+/// Queue background work for a range's committer; dropped when the queue is full (a later
+/// pop asks again).
+pub(super) fn enqueue(queue: &mpsc::Sender<Request>, op: Op) {
+    let _ = queue.try_send(Request { op, reply: None });
+}
+
+pub(super) struct Committer {
+    ctx: RangeCtx,
+    max_batch: usize,
+    /// The local copy may be behind etcd after an error: re-read before deciding.
+    stale: bool,
+}
+
+impl Committer {
+    pub(super) fn new(ctx: RangeCtx, max_batch: usize) -> Self {
+        Self { ctx, max_batch: max_batch.max(1), stale: false }
+    }
+
+    /// Serve the range's queue until every sender is gone.
+    pub(super) async fn run(mut self, mut queue: mpsc::Receiver<Request>) {
+        while let Some(first) = queue.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < self.max_batch {
+                match queue.try_recv() {
+                    Ok(r) => batch.push(r),
+                    Err(_) => break,
+                }
+            }
+            let ops: Vec<Op> = batch.iter().map(|r| r.op.clone()).collect();
+            match self.commit(&ops).await {
+                Ok(results) => {
+                    for (req, res) in batch.into_iter().zip(results) {
+                        if let Some(reply) = req.reply {
+                            let _ = reply.send(res);
+                        }
+                    }
+                }
+                Err(e) => {
+                    for req in batch {
+                        if let Some(reply) = req.reply {
+                            let _ = reply.send(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decide `ops` against the current map and make the result durable in one transaction.
+    async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Reply>, StoreError> {
+        let result = self.commit_inner(ops).await;
+        if ops.iter().any(|op| matches!(op, Op::Fill(_))) {
+            // Tell the pool the fill ended, with nothing on failure (the map is unchanged then).
+            // Addresses recorded under a lease that is no longer ours (lost meanwhile) are not
+            // pooled: their pool key is gone, so they are records for the repair pass.
+            let (filled, under) = match &result {
+                Ok((_, filled, under)) => (filled.clone(), *under),
+                Err(_) => (Vec::new(), None),
+            };
+            if !self.ctx.pool.fill_done(self.ctx.index, &filled, under) {
+                warn!(key = %self.ctx.key, addresses = filled.len(), "a pool fill landed after its lease was lost; its addresses are left to the repair pass");
+            }
+        }
+        result.map(|(results, _, _)| results)
+    }
+
+    /// The batch's replies, the addresses its fills recorded and the lease they were
+    /// recorded under.
+    #[allow(clippy::type_complexity)]
+    async fn commit_inner(&mut self, ops: &[Op]) -> Result<(Vec<Reply>, Vec<IpAddr>, Option<i64>), StoreError> {
+        let key = self.ctx.key.clone();
+        for attempt in 0..MAX_CONFLICT_RETRIES {
+            if self.stale {
+                reload(&self.ctx).await?;
+                self.stale = false;
+            }
+            let (map, revision, owners) = {
+                let v = lock(&self.ctx.view);
+                if let Some(e) = v.map_unreadable(&key) {
+                    return Err(e);
+                }
+                (v.map.clone(), v.revision, v.owners.clone())
+            };
+            let lease = self.ctx.pool.lease();
+            let d = decide_batch(map, owners, &key, lease.is_some(), ops);
+            let pool_op = txn::pool_op(&key, lease, &d, || self.ctx.pool.listing(self.ctx.index));
+            if !d.map_changed && pool_op.is_none() && d.owner_writes.is_empty() {
+                // A release of an address our copy does not know may be racing the watch
+                // (another process allocated it a moment ago): read etcd once and decide again.
+                if d.release_missed && attempt == 0 {
+                    self.stale = true;
+                    continue;
+                }
+                return Ok((d.replies, Vec::new(), None));
+            }
+            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &d, pool_op))).await {
+                Ok(r) => r,
+                Err(e) if e.lease_not_found() && lease.is_some() => {
+                    // Our lease ran out under us: the pool is no longer ours to hand
+                    // out. Drop it and decide the batch again without pool writes.
+                    self.ctx.pool.set_lease(None);
+                    let dropped = self.ctx.pool.drop_all();
+                    warn!(key = %key, dropped, "the address pool's etcd lease expired; pooled addresses are left to the repair pass");
+                    continue;
+                }
+                Err(e) => {
+                    self.stale = true;
+                    return Err(e.unavailable(format!("writing {key} to etcd")));
+                }
+            };
+            if resp.succeeded() {
+                if d.map_changed {
+                    let new_revision = resp.header().map(|h| h.revision()).unwrap_or(revision + 1);
+                    let mut v = lock(&self.ctx.view);
+                    if v.revision < new_revision {
+                        v.map = d.map;
+                        v.revision = new_revision;
+                        v.owners = d.owners;
+                    }
+                }
+                return Ok((d.replies, d.pool.filled, lease.map(|l| l.id)));
+            }
+            // Lost the race: adopt what etcd holds and decide again.
+            debug!(key = %key, attempt, "allocation map changed concurrently; retrying on the new version");
+            self.adopt(txn::current(&key, &resp))?;
+        }
+        Err(StoreError::Unavailable(Cause::new(format!("{key}: gave up after {MAX_CONFLICT_RETRIES} conflicting writes"))))
+    }
+
+    /// Take what a failed transaction read as the local copy (unless the watch brought
+    /// something newer meanwhile).
+    fn adopt(&self, current: txn::Current) -> Result<(), StoreError> {
+        let key = &self.ctx.key;
+        let (map, revision) = match current.map {
+            Some((value, rev)) => match decode(key, &self.ctx.cidr, &value) {
+                Ok(map) => (map, rev),
+                Err(e) => {
+                    if let StoreError::Corrupt { reason, .. } = &e {
+                        lock(&self.ctx.view).unreadable.insert(key.clone(), ("allocation_map", reason.clone()));
+                    }
+                    return Err(e);
+                }
+            },
+            None => (AllocationMap::new(self.ctx.cidr.clone()), 0),
+        };
+        let mut v = lock(&self.ctx.view);
+        if v.revision <= revision {
+            v.map = map;
+            v.revision = revision;
+            // Read in the same transaction as the map, so of the same moment.
+            if let Some(owned) = current.owners {
+                v.owners = owned;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,236 @@
+//! The watch-fed copy of one range: the map, every replica's pool key and the owner keys as
+//! of the last revision seen, kept current by a watch of everything under the range key and
+//! re-read whole after any interruption. Claims seen by the watch are handed to the pool
+//! side ([`super::pool`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use etcd_client::{EventType, GetOptions, WatchOptions};
+use futures::StreamExt;
+use tracing::{debug, info, warn};
+
+use crate::alloc::AllocationMap;
+use crate::store::etcd_pool::{decode_pool, Claim, OwnPool};
+use crate::store::{ParentRef, StoreError};
+use crate::sync::lock;
+
+use super::client::read;
+use super::keys::{classify, decode_owner, parse_owner, Under, MAP_CONSEQUENCE};
+use super::pool::answer_claim;
+use super::RangeCtx;
+
+/// The local copy of one range: the map as of `revision` (0 = the key does not exist), and
+/// every replica's pool key and pending claim under the range key.
+pub(super) struct View {
+    pub(super) map: AllocationMap,
+    pub(super) revision: i64,
+    /// Highest etcd revision read (by a get or the watch) under the range key's prefix.
+    pub(super) watched: i64,
+    /// Pool member → the addresses its pool key lists.
+    pub(super) pools: BTreeMap<String, BTreeSet<IpAddr>>,
+    /// Address → its owner key's owner (owners other than Services).
+    pub(super) owners: BTreeMap<IpAddr, ParentRef>,
+    /// Records under the range key that cannot be read: key → (kind, reason). While the map
+    /// itself is unreadable the range allocates and releases nothing (fails closed).
+    pub(super) unreadable: BTreeMap<String, (&'static str, String)>,
+}
+
+impl View {
+    /// The member whose pool key lists `ip`.
+    pub(super) fn pool_owner(&self, ip: IpAddr) -> Option<&str> {
+        self.pools.iter().find(|(_, s)| s.contains(&ip)).map(|(m, _)| m.as_str())
+    }
+
+    /// Held in a pool: ours as our memory says (our pool key may still list addresses we
+    /// handed out a moment ago), another replica's as its pool key says.
+    pub(super) fn pooled(&self, ip: IpAddr, own: &OwnPool, own_member: Option<&str>, range: usize) -> bool {
+        own.holds(range, ip) || self.pool_owner(ip).is_some_and(|m| Some(m) != own_member)
+    }
+
+    /// The error for any change to this range while its map is unreadable.
+    pub(super) fn map_unreadable(&self, key: &str) -> Option<StoreError> {
+        let (_, reason) = self.unreadable.get(key)?;
+        Some(StoreError::Corrupt { record: format!("the allocation map stored at {key}"), reason: reason.clone(), consequence: MAP_CONSEQUENCE })
+    }
+
+    /// Allocated in the map and not held in anyone's pool: a record of some object.
+    pub(super) fn records(&self, ip: IpAddr, own: &OwnPool, own_member: Option<&str>, range: usize) -> bool {
+        self.map.has(ip) && !self.pooled(ip, own, own_member, range)
+    }
+}
+
+/// Keep the local copy of one range current from etcd's watch of everything under the range
+/// key (the map, pool keys, claims); re-read and re-watch after any interruption (etcd
+/// restarted, compaction).
+pub(super) async fn watch_range(ctx: RangeCtx) {
+    let mut client = ctx.client.clone();
+    let key = ctx.key.clone();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let from = lock(&ctx.view).watched + 1;
+        let started = client.watch(key.clone(), Some(WatchOptions::new().with_prefix().with_start_revision(from))).await;
+        let (_watcher, mut stream) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                debug!(%key, error = %e, "watch failed to start; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        while let Some(msg) = stream.next().await {
+            let resp = match msg {
+                Ok(r) => r,
+                Err(e) => {
+                    debug!(%key, error = %e, "watch interrupted");
+                    break;
+                }
+            };
+            if resp.canceled() || resp.compact_revision() > 0 {
+                break;
+            }
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                let Ok(k) = kv.key_str() else { continue };
+                let value = match ev.event_type() {
+                    EventType::Put => Some(kv.value()),
+                    EventType::Delete => None,
+                };
+                apply(&ctx, k, value, kv.mod_revision());
+            }
+        }
+        // Interrupted: the copy may have missed events; read the keys again before watching.
+        if let Err(e) = reload(&ctx).await {
+            debug!(%key, error = %e, "reload after watch interruption failed; retrying");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+/// Apply one key's new value (None = deleted) at `mod_revision` to the view, and act on a
+/// claim: answer one addressed to our pool, or wake our waiter on an answered one.
+fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
+    let mut v = lock(&ctx.view);
+    v.watched = v.watched.max(mod_revision);
+    match classify(&ctx.key, key) {
+        Under::Map => {
+            if mod_revision <= v.revision {
+                return;
+            }
+            match value {
+                Some(value) => match AllocationMap::restore(&ctx.cidr, value) {
+                    Ok(map) => {
+                        v.map = map;
+                        v.revision = mod_revision;
+                        if v.unreadable.remove(&ctx.key).is_some() {
+                            info!(key = %ctx.key, "the allocation map is readable again; allocating from it");
+                        }
+                    }
+                    Err(e) => {
+                        // Keep the last good copy for reads, but change nothing until the
+                        // map is readable again: a write based on the old copy would drop
+                        // whatever was allocated since (fail closed).
+                        warn!(key = %ctx.key, error = %e, "the allocation map in etcd is unreadable; allocating nothing from this range until `clusterip repair --rebuild`");
+                        v.unreadable.insert(ctx.key.clone(), ("allocation_map", e.to_string()));
+                    }
+                },
+                None => {
+                    v.map = AllocationMap::new(ctx.cidr.clone());
+                    v.revision = 0;
+                    v.unreadable.remove(&ctx.key);
+                }
+            }
+        }
+        Under::Pool(member) => match value {
+            Some(value) => {
+                v.pools.insert(member.to_string(), decode_pool(value));
+            }
+            None => {
+                v.pools.remove(member);
+            }
+        },
+        Under::Owner(ip) => match value {
+            Some(value) => {
+                match parse_owner(value) {
+                    Ok(_) => v.unreadable.remove(key),
+                    Err(e) => {
+                        warn!(%key, error = %e, "an owner record in etcd is unreadable; its address stays allocated");
+                        v.unreadable.insert(key.to_string(), ("owner", e))
+                    }
+                };
+                v.owners.insert(ip, decode_owner(value));
+            }
+            None => {
+                v.unreadable.remove(key);
+                v.owners.remove(&ip);
+            }
+        },
+        Under::Claim(ip) => {
+            drop(v);
+            let Some(claim) = value.and_then(|b| serde_json::from_slice::<Claim>(b).ok()) else { return };
+            match claim.answer {
+                Some(answer) if claim.claimant == ctx.name => {
+                    if let Some(tx) = lock(&ctx.waiters).remove(&ip) {
+                        let _ = tx.send(answer);
+                    }
+                }
+                None if ctx.pool.lease().map(|l| l.member()) == Some(claim.owner.clone()) => {
+                    let ctx = ctx.clone();
+                    let key = key.to_string();
+                    tokio::spawn(async move { answer_claim(ctx, key, ip, claim).await });
+                }
+                _ => {}
+            }
+        }
+        Under::Other => {}
+    }
+}
+
+/// Replace the local copy with what etcd holds now under the range key's prefix.
+pub(super) async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
+    let key = &ctx.key;
+    let resp = read(&mut ctx.client.clone(), key, Some(GetOptions::new().with_prefix()), ctx.timeout).await?;
+    let mut map = Some(AllocationMap::new(ctx.cidr.clone()));
+    let mut revision = 0;
+    let mut unreadable = BTreeMap::new();
+    let mut rest = Vec::new();
+    for kv in resp.kvs() {
+        let Ok(k) = kv.key_str() else { continue };
+        match classify(key, k) {
+            Under::Map => match AllocationMap::restore(&ctx.cidr, kv.value()) {
+                Ok(m) => {
+                    map = Some(m);
+                    revision = kv.mod_revision();
+                }
+                Err(e) => {
+                    warn!(%key, error = %e, "the allocation map in etcd is unreadable; allocating nothing from this range until `clusterip repair --rebuild`");
+                    unreadable.insert(key.clone(), ("allocation_map", e.to_string()));
+                    map = None;
+                }
+            },
+            Under::Other => {}
+            _ => rest.push((k.to_string(), kv.value().to_vec(), kv.mod_revision())),
+        }
+    }
+    {
+        let mut v = lock(&ctx.view);
+        // An unreadable map keeps the last good copy (and its revision) for reads.
+        if let Some(map) = map {
+            v.map = map;
+            v.revision = revision;
+        }
+        v.unreadable = unreadable;
+        v.pools.clear();
+        v.owners.clear();
+        v.watched = resp.header().map(|h| h.revision()).unwrap_or(revision);
+    }
+    for (k, value, rev) in rest {
+        apply(ctx, &k, Some(&value), rev);
+    }
+    Ok(())
+}
+

@@ -408,7 +408,7 @@ kc_until() {
 }
 
 # deploy/, as a user applies it, through an overlay that sets what differs per cluster:
-# clusterip's range (a part of this node's Service range), the pod CIDR in the network
+# clusterip's range (a part of this node's Service range) and its address block size, the pod CIDR in the network
 # policy, the images' tag (dev, built by scripts/build-images.sh) and the apiserver endpoint
 # the agent uses (it cannot reach the apiserver through a ClusterIP it has yet to program).
 cmd_deploy() {
@@ -430,6 +430,11 @@ patches:
       - op: replace
         path: /spec/template/spec/containers/0/args/2
         value: --service-cidr=$CLUSTERIP_CIDR
+      # A /25 in the default 256-address blocks is one block, which only one of the two
+      # replicas can hold (docs/backends.md, "The limit: few blocks, several replicas").
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --address-block-size=16
   - target: {kind: NetworkPolicy, name: clusterip-controller}
     patch: |
       - op: replace

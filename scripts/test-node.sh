@@ -241,13 +241,15 @@ check_rbac() {
   expect yes $c default patch servicecidrs.networking.k8s.io --subresource=status
   for v in get list watch create delete; do expect yes $c default $v ipaddresses.networking.k8s.io; done
   for v in create patch; do expect yes $c "$ns" $v events.events.k8s.io; done
-  for v in get list create delete; do expect yes $c clusterip-system $v leases.coordination.k8s.io; done
+  # (Leases: the leader Lease and the address blocks' Leases, whose names are made per range
+  # and block, so update is granted on every Lease of the namespace: deploy/rbac.yaml.)
+  for v in get list create update delete; do expect yes $c clusterip-system $v leases.coordination.k8s.io; done
   expect yes $c clusterip-system update leases.coordination.k8s.io/clusterip-controller
   # … and nothing beyond.
   for v in create update patch delete; do expect no $c "$ns" $v services; done
   expect no $c default update ipaddresses.networking.k8s.io
-  expect no $c clusterip-system update leases.coordination.k8s.io/some-other-lease
   expect no $c kube-system create leases.coordination.k8s.io
+  expect no $c kube-system update leases.coordination.k8s.io
   expect no $c "$ns" create events
   for v in get list watch; do expect no $c clusterip-system $v secrets; expect no $c kube-system $v secrets; done
   expect no $c "$ns" create pods

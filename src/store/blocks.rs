@@ -134,6 +134,9 @@ pub struct BlockSpan {
     pub end: u64,
 }
 
+/// Fewer blocks than this in a range: warned about at start (see [`BlockStore::open`]).
+const FEW_BLOCKS: u64 = 4;
+
 /// The blocks of a range: the dynamic band cut into `size`-address blocks (the last one
 /// may be shorter), then the static band likewise. Returns (dynamic block count, total).
 pub fn layout(cidr: &ServiceCidr, size: u64) -> (u64, u64) {
@@ -277,6 +280,15 @@ impl BlockStore {
     pub async fn open(client: Client, namespace: &str, ranges: Vec<ServiceCidr>, recorded: ApiserverIps, identity: &str, options: BlockOptions) -> Result<Arc<Self>, StoreError> {
         if ranges.is_empty() {
             return Err(StoreError::Config("no service CIDR configured".into()));
+        }
+        for cidr in &ranges {
+            let (_, blocks) = layout(cidr, options.size);
+            if blocks < FEW_BLOCKS {
+                warn!(
+                    range = %cidr, blocks, block_size = options.size,
+                    "few address blocks: a replica that holds none of this range's blocks, with every block held by other replicas, answers \"range is full\" while those blocks still have free addresses; with R replicas, set --address-block-size to at most a quarter of the range's addresses divided by R"
+                );
+            }
         }
         let nonce: u32 = rand::thread_rng().gen();
         let holder = format!("{identity}/{nonce:08x}");

@@ -39,7 +39,10 @@ pub struct ControllerArgs {
 
     /// (ipaddress backend) Addresses per block. Each replica answers dynamic requests from
     /// blocks of the range it holds exclusively (a Lease `clusterip-block-…` per block in
-    /// --leader-elect-namespace), from memory.
+    /// --leader-elect-namespace), from memory. A replica holding none of a range's blocks
+    /// answers "range is full": keep it at most a quarter of the range's addresses divided
+    /// by the replicas (16 for a /25 and 2 replicas). Change it only with the controller
+    /// scaled to zero, never in a rolling update (docs/backends.md).
     #[arg(long, default_value_t = crate::store::blocks::DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub address_block_size: u64,
 

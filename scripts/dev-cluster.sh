@@ -357,6 +357,7 @@ start_kube-controller-manager() {
     --cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
     --profiling=false --v 1
 }
+# (-k: its serving certificate is self-signed at start; loopback only, health text only.)
 ready_kube-controller-manager() {
   curl -fsSk --max-time 2 \
     "https://127.0.0.1:$KCM_PORT/healthz" 2>/dev/null | grep -q '^ok$'

@@ -7,6 +7,7 @@
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
 //! - [`serve`]: HTTP serving with limits on what one client may hold (webhook, metrics).
 //! - [`telemetry`]: logging set-up shared by every binary.
+#![forbid(unsafe_code)]
 
 pub mod alloc;
 pub mod cidr;

@@ -124,6 +124,14 @@ impl Webhook {
         Self::start_with(cp, backend, slice, |_| {}).await
     }
 
+    /// The controllers' etcd records (etcd backend), opened as a store of their ranges
+    /// under the prefix the harness gives them.
+    async fn records(&self, cp: &ControlPlane) -> clusterip::store::etcd::EtcdStore {
+        let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", self.name), ..Default::default() };
+        let cidrs = self.ranges.iter().map(|r| clusterip::cidr::ServiceCidr::parse(r).expect("the harness's range")).collect();
+        clusterip::store::etcd::EtcdStore::open(&cfg, cidrs).await.expect("open the controllers' records")
+    }
+
     /// The controllers of the harness `tweak` makes, sharing one backend and one leader
     /// Lease behind a round-robin TCP proxy the webhook URL names, once the apiserver calls
     /// the webhook.
@@ -586,12 +594,9 @@ async fn lifecycle_cases(backend: &str, slice: Slice) {
 /// taken by a Service nor released by the repair pass or by anyone but its owner.
 async fn etcd_records_follow_the_services(cp: &ControlPlane, wh: &Webhook, slice: Slice, held: [IpAddr; 5]) {
     use clusterip::repair::{Repairer, Target};
-    use clusterip::store::etcd::{EtcdConfig, EtcdStore};
     use clusterip::store::{AllocationStore, ParentRef, StoreError};
     use std::sync::Arc;
-    let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
-    let cidrs = vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).expect("v4"), clusterip::cidr::ServiceCidr::parse(&slice.v6()).expect("v6")];
-    let store: Arc<dyn AllocationStore> = Arc::new(EtcdStore::open(&cfg, cidrs).await.expect("open the controller's records"));
+    let store: Arc<dyn AllocationStore> = Arc::new(wh.records(cp).await);
     let api = wh.services();
     let static_band: BTreeSet<IpAddr> = (1..=128).map(|n| slice.v4_static(n)).collect();
     let recorded_static = || async { store.allocated().await.expect("allocated").into_iter().filter(|ip| static_band.contains(ip)).collect::<BTreeSet<_>>() };
@@ -854,10 +859,9 @@ async fn etcd_backend_paused_replica_never_hands_out_a_pooled_address_it_lost() 
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     // The repair pass releases them (unowned records, after three passes).
-    let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
-        let store = clusterip::store::etcd::EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(range).expect("range")]).await.expect("open the records");
+        let store = wh.records(&cp).await;
         use clusterip::store::AllocationStore;
         let mut held = Vec::new();
         for ip in &lost {
@@ -985,12 +989,7 @@ async fn leader_killed_during_a_burst(backend: &str, slice: Slice) {
     if backend != "etcd" {
         return;
     }
-    let store = clusterip::store::etcd::EtcdStore::open(
-        &clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() },
-        vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).unwrap(), clusterip::cidr::ServiceCidr::parse(&slice.v6()).unwrap()],
-    )
-    .await
-    .expect("open the records");
+    let store = wh.records(&cp).await;
     use clusterip::store::AllocationStore;
     let recorded: BTreeSet<IpAddr> = store.allocated().await.expect("records").into_iter().collect();
     let lost: Vec<_> = seen.difference(&recorded).collect();
@@ -1162,7 +1161,6 @@ impl Drop for ServiceCidrOnDrop {
 /// Warning Event in Kubernetes' words, and releases it when the Service goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn service_reconciler_records_reports_and_releases() {
-    use clusterip::store::etcd::{EtcdConfig, EtcdStore};
     use clusterip::store::AllocationStore;
     use k8s_openapi::api::events::v1::Event;
     let cp = control_plane();
@@ -1174,10 +1172,7 @@ async fn service_reconciler_records_reports_and_releases() {
     free_leftover(&wh.client, &ip.to_string(), |p| p.name.starts_with("unrecorded-")).await;
     let _cleanup = DeleteOnDrop(api.clone(), name.clone());
     api.create(&PostParams::default(), &service(&name, |s| s.cluster_ip = Some(ip.to_string()))).await.expect("create outside the webhook's namespaces");
-    let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
-    let store = EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).unwrap(), clusterip::cidr::ServiceCidr::parse(&slice.v6()).unwrap()])
-        .await
-        .expect("open the controller's records");
+    let store = wh.records(&cp).await;
     let events: Api<Event> = Api::namespaced(wh.client.clone(), "default");
     // Whichever finds the missing record first reports it, in stock Kubernetes' words for
     // its kind of check: the Service reconciler (as kube-apiserver's IPAddress repair,
@@ -1216,7 +1211,6 @@ async fn service_reconciler_records_reports_and_releases() {
 /// `ClusterIPNotValid` (it did until 2026-11-26; stock does not).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stored_legacy_form_address_is_the_address_it_spells() {
-    use clusterip::store::etcd::{EtcdConfig, EtcdStore};
     use clusterip::store::AllocationStore;
     use k8s_openapi::api::events::v1::Event;
     let cp = control_plane();
@@ -1239,10 +1233,7 @@ async fn a_stored_legacy_form_address_is_the_address_it_spells() {
     let mut etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("connect to etcd");
     etcd.put(format!("/registry/services/specs/default/{name}"), svc.to_string(), None).await.expect("write a Service into the apiserver's etcd");
     let _cleanup = DeleteOnDrop(api.clone(), name.clone());
-    let cfg = EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
-    let store = EtcdStore::open(&cfg, vec![clusterip::cidr::ServiceCidr::parse(&slice.v4()).unwrap(), clusterip::cidr::ServiceCidr::parse(&slice.v6()).unwrap()])
-        .await
-        .expect("open the controller's records");
+    let store = wh.records(&cp).await;
     let events: Api<Event> = Api::namespaced(wh.client.clone(), "default");
     let ours = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str()) && e.reporting_controller.as_deref().is_some_and(|c| c.starts_with("clusterip"));
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -1485,12 +1476,7 @@ async fn ha_apiservers_one_restarted_mid_burst(backend: &str, slice: Slice, tag:
     let mut leaked = String::from("n/a");
     if backend == "etcd" {
         use clusterip::store::AllocationStore;
-        let store = clusterip::store::etcd::EtcdStore::open(
-            &clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() },
-            ours.to_vec(),
-        )
-        .await
-        .expect("open the records");
+        let store = wh.records(&cp).await;
         let recorded: BTreeSet<IpAddr> = store.allocated().await.expect("records").into_iter().collect();
         let lost: Vec<_> = acknowledged.keys().filter(|ip| !recorded.contains(ip)).collect();
         assert!(lost.is_empty(), "{} acknowledged addresses missing from the allocation map: {:?}", lost.len(), &lost[..lost.len().min(5)]);

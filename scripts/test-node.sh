@@ -243,7 +243,7 @@ check_rbac() {
   for v in create patch; do expect yes $c "$ns" $v events.events.k8s.io; done
   # (Leases: the leader Lease and the address blocks' Leases, whose names are made per range
   # and block, so update is granted on every Lease of the namespace: deploy/rbac.yaml.)
-  for v in get list create update delete; do expect yes $c clusterip-system $v leases.coordination.k8s.io; done
+  for v in get list watch create update patch delete; do expect yes $c clusterip-system $v leases.coordination.k8s.io; done
   expect yes $c clusterip-system update leases.coordination.k8s.io/clusterip-controller
   # … and nothing beyond.
   for v in create update patch delete; do expect no $c "$ns" $v services; done

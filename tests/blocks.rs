@@ -9,23 +9,24 @@
 //! a /28 of its own in the apiserver's static band (198.19.0.128/26: its own dynamic
 //! allocation never lands there; no other test uses it): a /28 has no static band of its
 //! own, so with 16-address blocks it is one block of 14 addresses, which only one replica
-//! can hold.
+//! can hold (with 4-address blocks: four blocks of 4, 4, 4 and 2).
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clusterip::alloc::AllocError;
 use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::apiserver_ips::ApiserverIps;
-use clusterip::store::blocks::{block_name, BlockOptions, BlockStore};
+use clusterip::store::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::Client;
 use serde_json::json;
 
@@ -39,7 +40,7 @@ const D: Duration = Duration::from_secs(30);
 const M: Duration = Duration::from_secs(10);
 
 fn options() -> BlockOptions {
-    BlockOptions { size: 16, lease_duration: D, margin: M, renew_every: None }
+    BlockOptions { size: Some(16), lease_duration: D, margin: M, renew_every: None }
 }
 
 struct Fixture {
@@ -62,7 +63,22 @@ impl Fixture {
     }
 
     async fn replica(&self, name: &str, view: ApiserverIps) -> Arc<BlockStore> {
-        BlockStore::open(self.client.clone(), &self.ns, vec![self.range.clone()], view, name, options()).await.expect("open the block store")
+        self.replica_with(name, view, options()).await
+    }
+
+    async fn replica_with(&self, name: &str, view: ApiserverIps, options: BlockOptions) -> Arc<BlockStore> {
+        BlockStore::open(self.client.clone(), &self.ns, vec![self.range.clone()], view, name, options).await.expect("open the block store")
+    }
+
+    /// The addresses of a block of ours by its Lease name, at block size `size`.
+    fn span_of(&self, name: &str, size: u64) -> Vec<IpAddr> {
+        let index: u64 = name.rsplit_once('-').and_then(|(_, i)| i.parse().ok()).expect("a block Lease name");
+        let s = span(&self.range, size, index).expect("a block of the range");
+        (s.first..s.end).filter_map(|off| self.range.ip_at(off)).collect()
+    }
+
+    async fn block_leases(&self) -> Vec<Lease> {
+        Api::<Lease>::namespaced(self.client.clone(), &self.ns).list(&ListParams::default().labels(BLOCK_LABEL)).await.expect("list block Leases").items
     }
 
     async fn live_view(&self) -> ApiserverIps {
@@ -285,4 +301,113 @@ async fn after_an_apiserver_restart_exactly_one_replica_answers_from_a_block() {
     let unique: BTreeSet<IpAddr> = picked.iter().copied().collect();
     assert_eq!(unique.len(), picked.len(), "an address was answered twice: {picked:?}");
     assert!(!unique.contains(&x), "{x} (stored before the restart) was answered again: {picked:?}");
+}
+
+/// Replica B's blocks are used up while A holds two blocks of the range with room: B asks A
+/// for one (the `clusterip.allocator/wanted-by` annotation), A gives back the one with room
+/// and no pick pending, and B answers from it. A's block with its pick pending stays A's:
+/// B ends with every address but that block's, each once, and the range is full to B only
+/// then. The request is cleared by A's next renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_blocks_are_used_up_gets_one_handed_over_by_a_holder_with_room() {
+    let cp = control_plane();
+    let fx = Fixture::new(&cp, "198.19.0.176/28").await;
+    fx.free_range().await;
+    let live = fx.live_view().await;
+    let four = BlockOptions { size: Some(4), ..options() };
+    let a = fx.replica_with("replica-a", live.clone(), four.clone()).await;
+    let b = fx.replica_with("replica-b", live.clone(), four).await;
+    assert_eq!((a.held_blocks().len(), b.held_blocks().len()), (1, 1), "each took a block at start");
+    // A answers once (pending: the test never stores it) and, running low, takes a second
+    // block ahead of need; one block is left free.
+    let x = a.allocate_next(Family::IPv4, Some(&fx.parent("a"))).await.expect("A answers");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while a.held_blocks().len() < 2 {
+        assert!(Instant::now() < deadline, "A did not take a second block ahead of need within 60s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let with_x = a.held_blocks().into_iter().find(|n| fx.span_of(n, 4).contains(&x)).expect("A holds the block of its answer");
+
+    // A answers requests at its ticks while B answers everything it can.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ticker = tokio::spawn({
+        let (a, stop) = (a.clone(), stop.clone());
+        async move {
+            let mut handed = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                handed.extend(a.tick().await.handed_over);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            handed
+        }
+    });
+    let mut got = drain(&b, &fx.parent("b")).await;
+    // (On a busy machine A's tick may answer after B's admission stopped waiting: then B's
+    // next admission finds the block given back.)
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while got.len() < 14 - fx.span_of(&with_x, 4).len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        got.extend(drain(&b, &fx.parent("b")).await);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let handed = ticker.await.expect("A's ticks");
+
+    assert_eq!(handed.len(), 1, "A hands over exactly its block without a pending pick: {handed:?}");
+    assert_ne!(handed[0], with_x, "A handed over the block of its pending answer {x}");
+    assert_eq!(a.held_blocks(), vec![with_x.clone()], "A keeps the block of its pending answer");
+    let unique: BTreeSet<IpAddr> = got.iter().copied().collect();
+    assert_eq!(unique.len(), got.len(), "B answered an address twice: {got:?}");
+    let kept = fx.span_of(&with_x, 4);
+    assert!(got.iter().all(|ip| !kept.contains(ip)), "B answered from A's block {with_x}: {got:?}");
+    assert_eq!(got.len(), 14 - kept.len(), "B answers every address outside A's remaining block: {got:?}");
+    // The request is answered and gone once A has renewed.
+    a.tick().await;
+    for lease in fx.block_leases().await {
+        let wanted = lease.metadata.annotations.as_ref().and_then(|a| a.get(WANTED_ANNOTATION).cloned());
+        assert_eq!(wanted, None, "block Lease {:?} still carries a request", lease.metadata.name);
+    }
+}
+
+/// A replica with 4-address blocks (A) and one with 16-address blocks (B) on the same range:
+/// B reads A's block from the addresses its Lease names, not from its name at B's size, and
+/// takes nothing that shares an address with it. When A crashes, B — after watching A's
+/// Lease unchanged for the lease duration — deletes it (it names another span than B's
+/// block of that name) and takes its own block, whose consistent list shows A's stored
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_with_different_block_sizes_never_share_an_address() {
+    let cp = control_plane();
+    let fx = Fixture::new(&cp, "198.19.0.224/28").await;
+    fx.free_range().await;
+    let live = fx.live_view().await;
+    let a = fx.replica_with("replica-a", live.clone(), BlockOptions { size: Some(4), ..options() }).await;
+    let b_opened = Instant::now();
+    let b = fx.replica_with("replica-b", live.clone(), options()).await;
+    assert_eq!(a.held_blocks().len(), 1, "A took a 4-address block at start");
+    assert!(b.held_blocks().is_empty(), "B took a 16-address block sharing addresses with A's: {:?}", b.held_blocks());
+    let r = b.allocate_next(Family::IPv4, Some(&fx.parent("b-early"))).await;
+    assert!(is_full(&r), "B answered {r:?} while A held part of the range");
+
+    let x = a.allocate_next(Family::IPv4, Some(&fx.parent("a"))).await.expect("A answers");
+    fx.store_service("a", x).await;
+    drop(a); // a crash: A's Lease stays, unrenewed
+
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let first = loop {
+        b.tick().await;
+        match b.allocate_next(Family::IPv4, Some(&fx.parent("b-0"))).await {
+            Ok(ip) => break ip,
+            Err(e) => assert!(is_full(&Err::<(), _>(e)), "B failed otherwise"),
+        }
+        assert!(Instant::now() < deadline, "B did not take the range within 180s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(b_opened.elapsed() >= D, "B took addresses of A's block {:?} after it first saw A's Lease, before the lease duration {D:?}", b_opened.elapsed());
+    assert_eq!(b.held_blocks(), vec![fx.block()], "B holds its one 16-address block");
+    let names: Vec<String> = fx.block_leases().await.into_iter().filter_map(|l| l.metadata.name).collect();
+    assert_eq!(names, vec![fx.block()], "A's Lease is gone, B's is the only one");
+    let mut picked = vec![first];
+    picked.extend(drain(&b, &fx.parent("b-rest")).await);
+    assert!(!picked.contains(&x), "B answered {x}, which A had answered and the apiserver stored: {picked:?}");
+    assert_eq!(picked.iter().collect::<BTreeSet<_>>().len(), 13, "B answers every other address once: {picked:?}");
 }

@@ -39,12 +39,13 @@ pub struct ControllerArgs {
 
     /// (ipaddress backend) Addresses per block. Each replica answers dynamic requests from
     /// blocks of the range it holds exclusively (a Lease `clusterip-block-…` per block in
-    /// --leader-elect-namespace), from memory. A replica holding none of a range's blocks
-    /// answers "range is full": keep it at most a quarter of the range's addresses divided
-    /// by the replicas (16 for a /25 and 2 replicas). Change it only with the controller
-    /// scaled to zero, never in a rolling update (docs/backends.md).
-    #[arg(long, default_value_t = crate::store::blocks::DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u64).range(1..=65536))]
-    pub address_block_size: u64,
+    /// --leader-elect-namespace), from memory; a replica whose blocks are used up while
+    /// others hold the rest asks one of them to hand a block over. Unset: per range, a
+    /// sixteenth of the addresses its CIDR spans, at most 256 (8 for a /25,
+    /// 256 from a /20 up). Set: keep it at most (addresses in the range) / (4 × replicas).
+    /// Replicas with different sizes never share an address (docs/backends.md).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub address_block_size: Option<u64>,
 
     /// (ipaddress backend) How long another replica observes a block's Lease unchanged, on
     /// its own clock, before it takes the block over (its holder stopped renewing it).

@@ -30,6 +30,17 @@
 //!   lists the IPAddresses from the apiserver without a resourceVersion (a consistent read)
 //!   before answering from it, so every address the previous holder had answered and the
 //!   apiserver stored is seen, however far its own watch lags.
+//! - **Spans, not names.** The block size is per range (`--address-block-size`, else
+//!   [`auto_block_size`]) and may differ between replicas during a rolling update, so a
+//!   replica reads another's block from the addresses its Lease names ([`lease_span`]) and
+//!   takes no block sharing one with it. Two replicas of different sizes can still create
+//!   overlapping blocks at the same moment (different names); the consistent list of the
+//!   block Leases each makes after creating shows the earlier Lease to the later one, which
+//!   gives its block back before answering from it.
+//! - **Hand-over.** A replica whose blocks are used up while every block is held asks a
+//!   holder for one ([`WANTED_ANNOTATION`]); the holder gives back a block with room and no
+//!   pick pending, if it keeps room elsewhere or the block is idle, and the asker takes it
+//!   like any free block.
 //!
 //! Why no address gets two owners (docs/backends.md, "Address blocks"): the holder's last
 //! pick from a block happens before `s + D − M` (s: send time of its last confirmed
@@ -54,7 +65,10 @@ use async_trait::async_trait;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::networking::v1::IPAddress;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
+use futures::StreamExt;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
 use kube::Client;
 use rand::Rng;
 use tracing::{debug, info, warn};
@@ -76,8 +90,20 @@ pub const ADDRESSES_ANNOTATION: &str = "clusterip.allocator/addresses";
 /// How long `/readyz` waits for the kube-apiserver (the Deployment's probe gives up after 2 s).
 const READY_TIMEOUT: Duration = Duration::from_millis(1500);
 
-/// Default block size (addresses).
-pub const DEFAULT_BLOCK_SIZE: u64 = 256;
+/// The largest block size [`auto_block_size`] chooses (addresses).
+pub const MAX_AUTO_BLOCK_SIZE: u64 = 256;
+/// Annotation a replica with no room left writes on another replica's block Lease: its
+/// holderIdentity, asking the holder to give one of its blocks of that range back.
+pub const WANTED_ANNOTATION: &str = "clusterip.allocator/wanted-by";
+/// How long an admission with no room waits for another replica to hand a block over.
+/// Below the webhook's timeout (5 s in deploy/webhooks.yaml). After a wait that got
+/// nothing, the range's next admissions within this long answer at once.
+const HANDOVER_WAIT: Duration = Duration::from_secs(3);
+/// How often a replica waiting for a hand-over looks at the block Leases again.
+const HANDOVER_POLL: Duration = Duration::from_millis(100);
+/// A holder gives its last usable block of a range away only when nothing was picked from
+/// it for this long (else two replicas would pass one block back and forth).
+const HANDOVER_IDLE: Duration = Duration::from_secs(5);
 /// Default lease duration of a block: how long an observer watches an unchanged Lease
 /// before it takes the block over.
 pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(120);
@@ -89,8 +115,8 @@ pub const DEFAULT_MARGIN: Duration = Duration::from_secs(75);
 /// Tunables of [`BlockStore`]; the defaults are what the controller runs with.
 #[derive(Clone, Debug)]
 pub struct BlockOptions {
-    /// Addresses per block.
-    pub size: u64,
+    /// Addresses per block; None: [`auto_block_size`] of each range.
+    pub size: Option<u64>,
     /// See [`DEFAULT_LEASE_DURATION`].
     pub lease_duration: Duration,
     /// See [`DEFAULT_MARGIN`].
@@ -102,8 +128,8 @@ pub struct BlockOptions {
 
 impl Default for BlockOptions {
     fn default() -> Self {
-        Self::new(DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_DURATION, DEFAULT_MARGIN).unwrap_or(Self {
-            size: DEFAULT_BLOCK_SIZE,
+        Self::new(None, DEFAULT_LEASE_DURATION, DEFAULT_MARGIN).unwrap_or(Self {
+            size: None,
             lease_duration: DEFAULT_LEASE_DURATION,
             margin: DEFAULT_MARGIN,
             renew_every: Some(Duration::from_secs(10)),
@@ -114,8 +140,8 @@ impl Default for BlockOptions {
 impl BlockOptions {
     /// Options with a background task renewing four times per usable window
     /// (`lease_duration − margin`). Errors say what is allowed.
-    pub fn new(size: u64, lease_duration: Duration, margin: Duration) -> Result<Self, String> {
-        if !(1..=65536).contains(&size) {
+    pub fn new(size: Option<u64>, lease_duration: Duration, margin: Duration) -> Result<Self, String> {
+        if let Some(size) = size.filter(|s| !(1..=65536).contains(s)) {
             return Err(format!("invalid address block size {size}: must be from 1 to 65536"));
         }
         if margin >= lease_duration || margin.is_zero() {
@@ -137,6 +163,14 @@ pub struct BlockSpan {
 /// Fewer blocks than this in a range: warned about at start (see [`BlockStore::open`]).
 const FEW_BLOCKS: u64 = 4;
 
+/// The block size of a range when `--address-block-size` is not given: a sixteenth of the
+/// addresses its CIDR spans (a power of two), from 1 to [`MAX_AUTO_BLOCK_SIZE`] — about 16
+/// blocks or more per range, so that up to four replicas each find free blocks (the sizing
+/// rule: at most addresses / (4 × replicas)); 256-address blocks from a /20 (4096) up.
+pub fn auto_block_size(cidr: &ServiceCidr) -> u64 {
+    (cidr.raw_size() / 16).clamp(1, u128::from(MAX_AUTO_BLOCK_SIZE)) as u64
+}
+
 /// The blocks of a range: the dynamic band cut into `size`-address blocks (the last one
 /// may be shorter), then the static band likewise. Returns (dynamic block count, total).
 pub fn layout(cidr: &ServiceCidr, size: u64) -> (u64, u64) {
@@ -157,6 +191,41 @@ pub fn span(cidr: &ServiceCidr, size: u64, index: u64) -> Option<BlockSpan> {
         ((index - dynamic) * size, cidr.band_offset())
     };
     Some(BlockSpan { index, first, end: (first + size).min(limit) })
+}
+
+/// The span a block's Lease names in its `clusterip.allocator/addresses` annotation
+/// ("first-last"), read against the range: what every replica treats as taken by that
+/// Lease, whatever its own block size. None when the annotation is missing or names
+/// addresses outside the range.
+pub fn lease_span(cidr: &ServiceCidr, index: u64, lease: &Lease) -> Option<BlockSpan> {
+    let text = lease.metadata.annotations.as_ref()?.get(ADDRESSES_ANNOTATION)?;
+    let (a, b) = text.split_once('-')?;
+    let first = cidr.offset_of(crate::cidr::parse_ip(a.trim()).ok()?)?;
+    let last = cidr.offset_of(crate::cidr::parse_ip(b.trim()).ok()?)?;
+    (first <= last).then_some(BlockSpan { index, first, end: last + 1 })
+}
+
+/// Whether two spans share an address.
+pub fn overlap(a: &BlockSpan, b: &BlockSpan) -> bool {
+    a.first < b.end && b.first < a.end
+}
+
+/// Indices of the blocks of `size` (see [`layout`]) that share an address with `other`.
+pub fn blocks_overlapping(cidr: &ServiceCidr, size: u64, other: &BlockSpan) -> Vec<u64> {
+    let (dynamic, _) = layout(cidr, size);
+    let band = cidr.band_offset();
+    let mut out = Vec::new();
+    // The dynamic band's blocks, counted from the band's start.
+    let (lo, hi) = (other.first.max(band), other.end.min(cidr.size()));
+    if lo < hi {
+        out.extend((lo - band) / size..=(hi - 1 - band) / size);
+    }
+    // The static band's, after them.
+    let (lo, hi) = (other.first, other.end.min(band));
+    if lo < hi {
+        out.extend(dynamic + lo / size..=dynamic + (hi - 1) / size);
+    }
+    out
 }
 
 /// The Lease name of a block: `clusterip-block-`, the range's network address in hex, its
@@ -212,9 +281,14 @@ struct Pending {
 #[derive(Clone, Debug)]
 struct Observed {
     range: usize,
-    index: u64,
+    /// The addresses its Lease names ([`lease_span`]; by index at our size if it names none).
+    span: BlockSpan,
+    /// The resourceVersion last seen: a takeover's precondition.
     resource_version: String,
-    /// When this replica first saw that resourceVersion (its own monotonic clock).
+    /// The holder and renewTime last seen: only the holder's renewals change it (a
+    /// hand-over request written by another replica does not).
+    renewal: (Option<String>, Option<MicroTime>),
+    /// When this replica first saw that renewal (its own monotonic clock).
     since: Instant,
     lease: Lease,
 }
@@ -225,6 +299,10 @@ struct State {
     pending: HashMap<IpAddr, Pending>,
     /// Every listed block Lease of our ranges not held by us, by name.
     observed: HashMap<String, Observed>,
+    /// Hand-over requests answered, by Lease name and resourceVersion: each once.
+    answered: HashSet<(String, String)>,
+    /// Per range, when this replica's last request for a block ended without one.
+    unanswered: HashMap<usize, Instant>,
 }
 
 /// Service addresses from exclusively held blocks; see the module docs.
@@ -236,9 +314,13 @@ pub struct BlockStore {
     /// The holderIdentity written: the replica's identity and a per-process nonce.
     holder: String,
     options: BlockOptions,
+    /// Block size per range (the option, or [`auto_block_size`]).
+    sizes: Vec<u64>,
     state: Mutex<State>,
     /// One acquisition at a time per range.
     acquiring: Vec<tokio::sync::Mutex<()>>,
+    /// One hand-over at a time.
+    handing: tokio::sync::Mutex<()>,
     me: Weak<BlockStore>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The runtime [`BlockStore::open`] ran on: background work goes there.
@@ -272,6 +354,8 @@ pub struct TickResult {
     /// Blocks dropped because someone else holds them now (or their Lease is gone).
     pub lost: Vec<String>,
     pub given_back: Vec<String>,
+    /// Blocks given back because another replica asked for one.
+    pub handed_over: Vec<String>,
 }
 
 impl BlockStore {
@@ -281,12 +365,13 @@ impl BlockStore {
         if ranges.is_empty() {
             return Err(StoreError::Config("no service CIDR configured".into()));
         }
-        for cidr in &ranges {
-            let (_, blocks) = layout(cidr, options.size);
+        let sizes: Vec<u64> = ranges.iter().map(|c| options.size.unwrap_or_else(|| auto_block_size(c))).collect();
+        for (cidr, &size) in ranges.iter().zip(&sizes) {
+            let (_, blocks) = layout(cidr, size);
             if blocks < FEW_BLOCKS {
                 warn!(
-                    range = %cidr, blocks, block_size = options.size,
-                    "few address blocks: a replica that holds none of this range's blocks, with every block held by other replicas, answers \"range is full\" while those blocks still have free addresses; with R replicas, set --address-block-size to at most a quarter of the range's addresses divided by R"
+                    range = %cidr, blocks, block_size = size,
+                    "few address blocks: with every block held by other replicas, a replica whose own blocks are used up waits for one to be handed over and otherwise answers \"range is full\"; with R replicas, set --address-block-size to at most a quarter of the range's addresses divided by R, or leave it unset"
                 );
             }
         }
@@ -300,15 +385,20 @@ impl BlockStore {
             recorded,
             holder,
             options: options.clone(),
+            sizes,
             state: Mutex::default(),
             acquiring,
+            handing: tokio::sync::Mutex::new(()),
             me: weak.clone(),
             task: Mutex::new(None),
             runtime: tokio::runtime::Handle::current(),
         });
         me.observe().await?;
         if let Some(every) = options.renew_every {
-            *lock(&me.task) = Some(tokio::spawn(tick_forever(Arc::downgrade(&me), every)));
+            let (weak, leases) = (Arc::downgrade(&me), me.leases.clone());
+            *lock(&me.task) = Some(tokio::spawn(async move {
+                tokio::join!(tick_forever(weak.clone(), every), answer_requests(weak, leases));
+            }));
         }
         // One block per range up front, so the first admissions do not wait for one.
         for range in 0..me.ranges.cidrs().len() {
@@ -374,7 +464,7 @@ impl BlockStore {
             h.last_pick = now;
             st.pending.insert(ip, Pending { parent: parent.cloned() });
         }
-        let low = !self.has_free(&recorded, &st, range, now, None, self.options.size);
+        let low = !self.has_free(&recorded, &st, range, now, None, self.sizes[range]);
         (chosen.map(|c| c.2), low)
     }
 
@@ -409,35 +499,96 @@ impl BlockStore {
     /// block is taken only while at least two are free: the last one is left to a replica
     /// that has none.
     async fn acquire_locked(&self, range: usize, need: Need) -> Result<bool, StoreError> {
-        let cidr = self.ranges.cidrs()[range].clone();
-        let size = self.options.size;
-        let (dynamic, total) = layout(&cidr, size);
         for _attempt in 0..8 {
+            match self.try_acquire(range, need).await? {
+                Attempt::Got => return Ok(true),
+                Attempt::NoneFree => return Ok(false),
+                // Someone else was quicker: look again.
+                Attempt::Raced => self.observe().await.map(drop)?,
+            }
+        }
+        let cidr = &self.ranges.cidrs()[range];
+        Err(StoreError::Unavailable(format!("could not take an address block of {cidr}: others took each one tried first").into()))
+    }
+
+    /// One try at a block of `range`, on the block Leases as last observed.
+    async fn try_acquire(&self, range: usize, need: Need) -> Result<Attempt, StoreError> {
+        let cidr = &self.ranges.cidrs()[range];
+        let size = self.sizes[range];
+        let (dynamic, total) = layout(cidr, size);
+        let now = Instant::now();
+        let (expired_one, busy): (Option<(String, Observed)>, HashSet<u64>) = {
+            let st = lock(&self.state);
+            let mut busy: HashSet<u64> = st.held.iter().filter(|h| h.range == range).map(|h| h.span.index).collect();
+            // Other replicas' blocks by the addresses their Leases name, whatever their size.
+            for o in st.observed.values().filter(|o| o.range == range) {
+                busy.extend(blocks_overlapping(cidr, size, &o.span));
+            }
+            let exp = st.observed.iter().filter(|(_, o)| o.range == range && expired(o.since, now, self.options.lease_duration)).min_by_key(|(_, o)| o.span.first).map(|(n, o)| (n.clone(), o.clone()));
+            (exp, busy)
+        };
+        let got = if let Some((name, old)) = expired_one {
+            self.take_over(range, &name, old).await?
+        } else {
+            // A random free block, the dynamic band's first (fewer replicas meet on one).
+            if need == Need::Ahead && total.saturating_sub(busy.len() as u64) < 2 {
+                return Ok(Attempt::NoneFree);
+            }
+            let Some(index) = free_block(&busy, dynamic, total) else { return Ok(Attempt::NoneFree) };
+            self.create(range, index).await?
+        };
+        Ok(if got { Attempt::Got } else { Attempt::Raced })
+    }
+
+    /// Every block of `range` is held and this replica's are used up: ask the holder of the
+    /// block with the most room (per this replica's view) to hand one over — the
+    /// `clusterip.allocator/wanted-by` annotation on that Lease — and take the block it gives
+    /// back, looking again every [`HANDOVER_POLL`] for up to [`HANDOVER_WAIT`] (not again
+    /// within [`HANDOVER_WAIT`] of a wait that got nothing). The caller
+    /// holds `acquiring[range]`. Ok(false): nothing was handed over in time.
+    async fn ask_for_block(&self, range: usize) -> Result<bool, StoreError> {
+        let target: Option<(String, bool)> = {
+            let st = lock(&self.state);
+            // Admissions queued behind one that waited in vain do not each wait again.
+            if st.unanswered.get(&range).is_some_and(|t| t.elapsed() < HANDOVER_WAIT) {
+                return Ok(false);
+            }
+            let recorded = self.recorded.view();
+            let cidr = &self.ranges.cidrs()[range];
             let now = Instant::now();
-            let (expired_one, busy): (Option<Observed>, HashSet<u64>) = {
-                let st = lock(&self.state);
-                let mut busy: HashSet<u64> = st.held.iter().filter(|h| h.range == range).map(|h| h.span.index).collect();
-                busy.extend(st.observed.values().filter(|o| o.range == range).map(|o| o.index));
-                let exp = st.observed.values().filter(|o| o.range == range && expired(o.since, now, self.options.lease_duration)).min_by_key(|o| o.index).cloned();
-                (exp, busy)
-            };
-            let got = if let Some(old) = expired_one {
-                self.take_over(range, old).await?
-            } else {
-                // A random free block, the dynamic band's first (fewer replicas meet on one).
-                if need == Need::Ahead && total.saturating_sub(busy.len() as u64) < 2 {
-                    return Ok(false);
-                }
-                let Some(index) = free_block(&busy, dynamic, total) else { return Ok(false) };
-                self.create(range, index).await?
-            };
-            if got {
+            st.observed
+                .iter()
+                .filter(|(_, o)| o.range == range && !expired(o.since, now, self.options.lease_duration))
+                .map(|(name, o)| {
+                    let free = (o.span.first..o.span.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !recorded.contains(&ip))).count();
+                    let asked = o.lease.metadata.annotations.as_ref().and_then(|a| a.get(WANTED_ANNOTATION)) == Some(&self.holder);
+                    (free, name, asked)
+                })
+                .filter(|(free, _, _)| *free > 0)
+                .max_by_key(|(free, _, _)| *free)
+                .map(|(_, name, asked)| (name.clone(), asked))
+        };
+        let Some((name, asked)) = target else { return Ok(false) };
+        if !asked {
+            let patch = serde_json::json!({"metadata": {"annotations": {WANTED_ANNOTATION: self.holder}}});
+            match self.leases.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => debug!(block = %name, "asked the holder of an address block to hand one over"),
+                // Gone or changed: looked at again below.
+                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                Err(e) => return Err(api_err(&format!("asking for address block {name}"), e)),
+            }
+        }
+        let deadline = Instant::now() + HANDOVER_WAIT;
+        while Instant::now() < deadline {
+            tokio::time::sleep(HANDOVER_POLL).await;
+            self.observe().await?;
+            if let Attempt::Got = self.try_acquire(range, Need::Now).await? {
+                lock(&self.state).unanswered.remove(&range);
                 return Ok(true);
             }
-            // Someone else was quicker: look again.
-            self.observe().await?;
         }
-        Err(StoreError::Unavailable(format!("could not take an address block of {cidr}: others took each one tried first").into()))
+        lock(&self.state).unanswered.insert(range, Instant::now());
+        Ok(false)
     }
 
     fn block_lease(&self, cidr: &ServiceCidr, span: BlockSpan) -> Lease {
@@ -464,10 +615,13 @@ impl BlockStore {
     /// Create the Lease of a free block. Ok(false): someone else created it first.
     async fn create(&self, range: usize, index: u64) -> Result<bool, StoreError> {
         let cidr = &self.ranges.cidrs()[range];
-        let Some(span) = span(cidr, self.options.size, index) else { return Ok(false) };
+        let Some(span) = span(cidr, self.sizes[range], index) else { return Ok(false) };
         let sent = Instant::now();
         match self.leases.create(&PostParams::default(), &self.block_lease(cidr, span)).await {
             Ok(lease) => {
+                if !self.alone(range, span, &block_name(cidr, index), &lease).await? {
+                    return Ok(false);
+                }
                 self.adopt(range, span, lease, sent).await?;
                 Ok(true)
             }
@@ -477,33 +631,67 @@ impl BlockStore {
     }
 
     /// Take over a block whose Lease this replica observed unchanged for the lease
-    /// duration: an update with the observed resourceVersion as precondition.
-    async fn take_over(&self, range: usize, old: Observed) -> Result<bool, StoreError> {
+    /// duration: an update with the observed resourceVersion as precondition. A Lease that
+    /// names other addresses than our block of that name (written by a replica with another
+    /// block size) is deleted instead, with the same precondition: its holder is gone and
+    /// everything it answered is stored or failed (see the module docs), so its addresses
+    /// are free blocks again.
+    async fn take_over(&self, range: usize, name: &str, old: Observed) -> Result<bool, StoreError> {
         let cidr = &self.ranges.cidrs()[range];
-        let Some(span) = span(cidr, self.options.size, old.index) else { return Ok(false) };
-        let name = block_name(cidr, old.index);
+        let mine = self.block_of(name).and_then(|(_, index)| span(cidr, self.sizes[range], index));
+        let previous = old.lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
+        let Some(span) = mine.filter(|s| s.first == old.span.first && s.end == old.span.end) else {
+            let dp = DeleteParams { preconditions: Some(Preconditions { uid: old.lease.metadata.uid.clone(), resource_version: Some(old.resource_version.clone()) }), ..Default::default() };
+            match self.leases.delete(name, &dp).await {
+                Ok(_) => info!(block = %name, %previous, "deleted an address block of another size its holder stopped renewing"),
+                Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
+                Err(e) => return Err(api_err(&format!("deleting address block {name}"), e)),
+            }
+            lock(&self.state).observed.remove(name);
+            return Ok(false);
+        };
         let mut lease = self.block_lease(cidr, span);
         lease.metadata.resource_version = Some(old.resource_version.clone());
         let transitions = old.lease.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0);
         if let Some(spec) = lease.spec.as_mut() {
             spec.lease_transitions = Some(transitions.saturating_add(1));
         }
-        let previous = old.lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
         let sent = Instant::now();
-        match self.leases.replace(&name, &PostParams::default(), &lease).await {
+        match self.leases.replace(name, &PostParams::default(), &lease).await {
             Ok(lease) => {
+                lock(&self.state).observed.remove(name);
+                if !self.alone(range, span, name, &lease).await? {
+                    return Ok(false);
+                }
                 info!(block = %name, %previous, "took over an address block its holder stopped renewing");
-                lock(&self.state).observed.remove(&name);
                 self.adopt(range, span, lease, sent).await?;
                 Ok(true)
             }
             // Changed meanwhile (renewed, or taken by someone else), or gone.
             Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
-                lock(&self.state).observed.remove(&name);
+                lock(&self.state).observed.remove(name);
                 Ok(false)
             }
             Err(e) => Err(api_err(&format!("taking over address block {name}"), e)),
         }
+    }
+
+    /// After creating or taking over the Lease of `span`: whether no other block Lease of the
+    /// range names any of its addresses, per a consistent list. Replicas with different block
+    /// sizes (a rolling update that changes `--address-block-size`) name overlapping blocks
+    /// by different Lease names, which creating a Lease does not refuse; of two such Leases
+    /// the later one's list shows the earlier one, so at most one is kept. When another is
+    /// seen, ours is given back at once (nothing was answered from it) and Ok(false).
+    async fn alone(&self, range: usize, span: BlockSpan, name: &str, lease: &Lease) -> Result<bool, StoreError> {
+        if let Err(e) = self.observe().await {
+            self.give_back_lease(name, lease).await;
+            return Err(e);
+        }
+        let other = lock(&self.state).observed.iter().find(|(_, o)| o.range == range && overlap(&o.span, &span)).map(|(n, _)| n.clone());
+        let Some(other) = other else { return Ok(true) };
+        info!(block = %name, %other, "another replica's address block shares addresses with the one just taken: giving it back");
+        self.give_back_lease(name, lease).await;
+        Ok(false)
     }
 
     /// A block is ours: list the IPAddresses with a consistent read before answering from
@@ -532,56 +720,167 @@ impl BlockStore {
         Ok(())
     }
 
+    /// Delete a block Lease of ours, with its uid and resourceVersion as preconditions. A
+    /// conflict whose read still shows this process as the holder (a hand-over request
+    /// changed the Lease) is tried once more with the resourceVersion read. true: the Lease
+    /// is gone or no longer ours.
     async fn give_back_lease(&self, name: &str, lease: &Lease) -> bool {
-        let dp = DeleteParams {
-            preconditions: Some(Preconditions { uid: lease.metadata.uid.clone(), resource_version: lease.metadata.resource_version.clone() }),
-            ..Default::default()
-        };
-        match self.leases.delete(name, &dp).await {
-            Ok(_) => true,
-            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => true,
-            Err(e) => {
-                warn!(block = %name, error = %e, "could not give an address block back; it expires instead");
-                false
+        let mut lease = lease.clone();
+        for _ in 0..2 {
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions { uid: lease.metadata.uid.clone(), resource_version: lease.metadata.resource_version.clone() }),
+                ..Default::default()
+            };
+            match self.leases.delete(name, &dp).await {
+                Ok(_) => return true,
+                Err(kube::Error::Api(s)) if s.code == 404 => return true,
+                Err(kube::Error::Api(s)) if s.code == 409 => match self.leases.get_opt(name).await {
+                    Ok(Some(cur)) if holder_of(&cur) == Some(self.holder.as_str()) => lease = cur,
+                    Ok(_) => return true,
+                    Err(e) => {
+                        warn!(block = %name, error = %e, "could not give an address block back; it expires instead");
+                        return false;
+                    }
+                },
+                Err(e) => {
+                    warn!(block = %name, error = %e, "could not give an address block back; it expires instead");
+                    return false;
+                }
             }
         }
+        warn!(block = %name, "could not give an address block back (it kept changing); it expires instead");
+        false
     }
 
     /// List the block Leases of our ranges and note, on this replica's clock, since when
-    /// each one not held here has kept its resourceVersion.
-    async fn observe(&self) -> Result<(), StoreError> {
+    /// each one held by another replica has kept its holder's last renewal. Returns the
+    /// Leases held here that carry a hand-over request not answered yet.
+    async fn observe(&self) -> Result<Vec<Lease>, StoreError> {
         let list = self.leases.list(&ListParams::default().labels(BLOCK_LABEL)).await.map_err(|e| api_err("listing address block Leases", e))?;
         let now = Instant::now();
         let mut st = lock(&self.state);
-        let mine: HashSet<String> = st.held.iter().map(|h| h.name.clone()).collect();
         let mut seen = HashSet::new();
+        let mut requests = Vec::new();
         for lease in list.items {
             let Some(name) = lease.metadata.name.clone() else { continue };
             let Some(rv) = lease.metadata.resource_version.clone() else { continue };
             let Some((range, index)) = self.block_of(&name) else { continue };
-            if mine.contains(&name) {
+            let holder = holder_of(&lease).map(str::to_string);
+            if holder.as_deref() == Some(self.holder.as_str()) {
+                if self.asks_us(&st, &lease) {
+                    requests.push(lease);
+                }
                 continue;
             }
+            let cidr = &self.ranges.cidrs()[range];
+            // The addresses its Lease names; by the index at our size only if it names none.
+            let Some(span) = lease_span(cidr, index, &lease).or_else(|| span(cidr, self.sizes[range], index)) else {
+                debug!(block = %name, "a block Lease that names no addresses of its range; ignored");
+                continue;
+            };
             seen.insert(name.clone());
+            let renewal = (holder, lease.spec.as_ref().and_then(|s| s.renew_time.clone()));
             match st.observed.get_mut(&name) {
-                Some(o) if o.resource_version == rv => o.lease = lease,
+                Some(o) if o.renewal == renewal => {
+                    o.resource_version = rv;
+                    o.span = span;
+                    o.lease = lease;
+                }
                 _ => {
-                    st.observed.insert(name, Observed { range, index, resource_version: rv, since: now, lease });
+                    st.observed.insert(name, Observed { range, span, resource_version: rv, renewal, since: now, lease });
                 }
             }
         }
         st.observed.retain(|n, _| seen.contains(n));
-        Ok(())
+        let held: HashSet<String> = st.held.iter().map(|h| h.name.clone()).collect();
+        st.answered.retain(|(n, _)| held.contains(n));
+        Ok(requests)
     }
 
-    /// (range, index) of a block Lease name of ours.
+    /// Whether `lease` is a block held here that carries another replica's hand-over request
+    /// not answered yet.
+    fn asks_us(&self, st: &State, lease: &Lease) -> bool {
+        let (Some(name), Some(rv)) = (lease.metadata.name.as_ref(), lease.metadata.resource_version.as_ref()) else { return false };
+        holder_of(lease) == Some(self.holder.as_str())
+            && wanted_by(lease).is_some_and(|w| w != self.holder)
+            && st.held.iter().any(|h| &h.name == name)
+            && !st.answered.contains(&(name.clone(), rv.clone()))
+    }
+
+    /// (range, index) of a block Lease name of ours. The index counts blocks of the size of
+    /// the replica that named it, which need not be ours.
     fn block_of(&self, name: &str) -> Option<(usize, u64)> {
         let rest = name.strip_prefix("clusterip-block-")?;
         let (prefix, index) = rest.rsplit_once('-')?;
         let index: u64 = index.parse().ok()?;
         let range = self.ranges.cidrs().iter().position(|c| block_name(c, 0).strip_suffix("-0") == Some(&format!("clusterip-block-{prefix}")))?;
-        span(&self.ranges.cidrs()[range], self.options.size, index)?;
         Some((range, index))
+    }
+
+    /// Answer another replica's request for a block (`lease`: one of ours carrying it), once
+    /// per resourceVersion: give back one block of that range if [`Self::hand_over`] finds
+    /// one, and clear the request with a renewal if the block given back is not this one.
+    /// Returns the name of the block given back.
+    async fn answer_request(&self, lease: Lease) -> Option<String> {
+        let _one = self.handing.lock().await;
+        let (name, rv) = (lease.metadata.name.clone()?, lease.metadata.resource_version.clone()?);
+        let range = {
+            let mut st = lock(&self.state);
+            if !self.asks_us(&st, &lease) {
+                return None;
+            }
+            st.answered.insert((name.clone(), rv));
+            st.held.iter().find(|h| h.name == name)?.range
+        };
+        let asker = wanted_by(&lease).unwrap_or_default().to_string();
+        let given = self.hand_over(range).await;
+        match &given {
+            Some(block) => info!(%block, %asker, "handed an address block over to a replica with no room left"),
+            None => debug!(block = %name, %asker, "no address block to hand over: each has picks pending, no room, or is the last one in use"),
+        }
+        if given.as_deref() != Some(name.as_str()) {
+            // A renewal writes the Lease without the request.
+            self.renew(&name, lease).await;
+        }
+        given
+    }
+
+    /// Give back one usable block of `range` that has free addresses and no pick pending:
+    /// the one with the most room, and only while another usable block of the range keeps
+    /// room, or when nothing was picked from it for [`HANDOVER_IDLE`]. No pick is made from
+    /// it from the moment it is chosen; with no pick pending, everything answered from it is
+    /// stored (or failed) and the next holder's consistent list shows it.
+    async fn hand_over(&self, range: usize) -> Option<String> {
+        let now = Instant::now();
+        let (name, lease) = {
+            let mut st = lock(&self.state);
+            let cidr = &self.ranges.cidrs()[range];
+            let chosen = {
+                let recorded = self.recorded.view();
+                let st = &*st;
+                let free = |h: &Held| (h.span.first..h.span.end).filter(|o| cidr.ip_at(*o).is_some_and(|ip| !taken(&recorded, st, ip))).count();
+                let pending_in = |h: &Held| st.pending.keys().any(|ip| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end));
+                let with_room: Vec<(usize, usize)> = (0..st.held.len()).filter(|&i| st.held[i].range == range && self.usable(&st.held[i], now)).map(|i| (i, free(&st.held[i]))).filter(|(_, f)| *f > 0).collect();
+                with_room
+                    .iter()
+                    .filter(|(i, _)| !pending_in(&st.held[*i]))
+                    .filter(|(i, _)| with_room.len() > 1 || now.saturating_duration_since(st.held[*i].last_pick) >= HANDOVER_IDLE)
+                    .max_by_key(|(_, f)| *f)
+                    .map(|(i, _)| *i)
+            };
+            let h = &mut st.held[chosen?];
+            h.returning = true;
+            (h.name.clone(), h.lease.clone())
+        };
+        if self.give_back_lease(&name, &lease).await {
+            lock(&self.state).held.retain(|h| h.name != name);
+            Some(name)
+        } else {
+            if let Some(h) = lock(&self.state).held.iter_mut().find(|h| h.name == name) {
+                h.returning = false;
+            }
+            None
+        }
     }
 
     /// Renew the blocks held, observe the others, settle picks the view shows recorded,
@@ -609,14 +908,22 @@ impl BlockStore {
                 Renewal::Failed => {}
             }
         }
-        if let Err(e) = self.observe().await {
-            warn!(error = %e, "could not list address block Leases; trying again");
+        match self.observe().await {
+            Ok(requests) => {
+                for lease in requests {
+                    result.handed_over.extend(self.answer_request(lease).await);
+                }
+            }
+            Err(e) => warn!(error = %e, "could not list address block Leases; trying again"),
         }
         result.given_back = self.give_back_idle().await;
         result
     }
 
+    /// Renew a block from `lease` (ours as last written or read). A hand-over request on it
+    /// is not written back: every renewal clears it.
     async fn renew(&self, name: &str, mut lease: Lease) -> Renewal {
+        without_request(&mut lease);
         if let Some(spec) = lease.spec.as_mut() {
             spec.renew_time = Some(now_micro());
         }
@@ -674,7 +981,7 @@ impl BlockStore {
                         && self.usable(h, now)
                         && now.saturating_duration_since(h.last_pick) >= self.options.lease_duration
                         && !st.pending.keys().any(|ip| in_block(ip, h))
-                        && self.has_free(&recorded, &st, range, now, Some(&h.name), self.options.size)
+                        && self.has_free(&recorded, &st, range, now, Some(&h.name), self.sizes[range])
                 });
                 drop(recorded);
                 if let Some(i) = idle {
@@ -697,6 +1004,31 @@ impl BlockStore {
     fn range_of_block(&self, ip: IpAddr) -> Option<usize> {
         self.ranges.cidrs().iter().position(|c| c.contains(ip))
     }
+}
+
+/// The holderIdentity of a Lease.
+fn holder_of(lease: &Lease) -> Option<&str> {
+    lease.spec.as_ref()?.holder_identity.as_deref()
+}
+
+/// Who asks for a block through `lease` (see [`WANTED_ANNOTATION`]).
+fn wanted_by(lease: &Lease) -> Option<&str> {
+    lease.metadata.annotations.as_ref()?.get(WANTED_ANNOTATION).map(String::as_str)
+}
+
+fn without_request(lease: &mut Lease) {
+    if let Some(a) = lease.metadata.annotations.as_mut() {
+        a.remove(WANTED_ANNOTATION);
+    }
+}
+
+/// How one try at a block went.
+enum Attempt {
+    Got,
+    /// Another replica changed the block Leases meanwhile: look again.
+    Raced,
+    /// No free or expired block.
+    NoneFree,
 }
 
 enum Renewal {
@@ -732,6 +1064,26 @@ fn free_block(busy: &HashSet<u64>, dynamic: u64, total: u64) -> Option<u64> {
         (0..n.min(1 << 20)).map(|k| from + (start + k) % n).find(|i| !busy.contains(i))
     };
     pick(0, dynamic).or_else(|| pick(dynamic, total))
+}
+
+/// Answer hand-over requests as soon as the watch of the block Leases shows them (the
+/// tick answers them too, at its pace).
+async fn answer_requests(weak: Weak<BlockStore>, leases: Api<Lease>) {
+    let mut stream = watcher::watcher(leases, watcher::Config::default().labels(BLOCK_LABEL)).default_backoff().boxed();
+    while let Some(ev) = stream.next().await {
+        let lease = match ev {
+            Ok(Event::Apply(lease) | Event::InitApply(lease)) => lease,
+            Ok(_) => continue,
+            Err(e) => {
+                debug!(error = %e, "address block Lease watch failed; retrying");
+                continue;
+            }
+        };
+        let Some(me) = weak.upgrade() else { return };
+        if me.asks_us(&lock(&me.state), &lease) {
+            tokio::spawn(async move { me.answer_request(lease).await });
+        }
+    }
 }
 
 async fn tick_forever(weak: Weak<BlockStore>, every: Duration) {
@@ -800,7 +1152,7 @@ impl AllocationStore for BlockStore {
                 if let Some(ip) = ip {
                     return Ok(ip);
                 }
-                if !self.acquire_locked(range, Need::Now).await? {
+                if !self.acquire_locked(range, Need::Now).await? && !self.ask_for_block(range).await? {
                     break;
                 }
             }
@@ -949,9 +1301,10 @@ mod tests {
 
     #[test]
     fn options_refuse_a_margin_that_leaves_no_window() {
-        assert!(BlockOptions::new(256, Duration::from_secs(120), Duration::from_secs(120)).is_err());
-        assert!(BlockOptions::new(0, Duration::from_secs(120), Duration::from_secs(75)).is_err());
-        let o = BlockOptions::new(256, Duration::from_secs(120), Duration::from_secs(75)).expect("defaults");
+        assert!(BlockOptions::new(Some(256), Duration::from_secs(120), Duration::from_secs(120)).is_err());
+        assert!(BlockOptions::new(Some(0), Duration::from_secs(120), Duration::from_secs(75)).is_err());
+        assert!(BlockOptions::new(Some(65537), Duration::from_secs(120), Duration::from_secs(75)).is_err());
+        let o = BlockOptions::new(None, Duration::from_secs(120), Duration::from_secs(75)).expect("defaults");
         assert_eq!(o.renew_every, Some(Duration::from_millis(11_250)));
     }
 
@@ -963,5 +1316,53 @@ mod tests {
         assert_eq!(free_block(&busy, 8, 9), Some(8));
         let busy: HashSet<u64> = (0..9).collect();
         assert_eq!(free_block(&busy, 8, 9), None);
+    }
+
+    #[test]
+    fn the_automatic_block_size_leaves_at_least_sixteen_blocks_up_to_256_addresses_each() {
+        for (cidr, size) in [
+            ("198.19.0.0/28", 1),
+            ("198.19.0.0/25", 8),
+            ("198.19.0.0/24", 16),
+            ("198.19.0.0/29", 1),
+            ("198.19.0.0/21", 128),
+            ("198.19.0.0/20", 256),
+            ("198.19.0.0/16", 256),
+            ("fd00:10:96::/113", 256),
+            ("fd00:10:96::/64", 256),
+        ] {
+            let c = ServiceCidr::parse(cidr).expect("cidr");
+            assert_eq!(auto_block_size(&c), size, "{cidr}");
+            assert!(layout(&c, size).1 >= c.size().min(14), "{cidr}: {} blocks", layout(&c, size).1);
+        }
+    }
+
+    #[test]
+    fn a_lease_names_its_span_in_addresses_of_the_range() {
+        let c = ServiceCidr::parse("198.19.104.0/21").expect("cidr");
+        let mut lease = Lease::default();
+        let mut a = BTreeMap::new();
+        a.insert(ADDRESSES_ANNOTATION.to_string(), "198.19.104.129-198.19.105.128".to_string());
+        lease.metadata.annotations = Some(a.clone());
+        assert_eq!(lease_span(&c, 0, &lease), span(&c, 256, 0));
+        for bad in ["198.19.105.128-198.19.104.129", "10.0.0.1-10.0.0.2", "198.19.104.129", "x-y"] {
+            a.insert(ADDRESSES_ANNOTATION.to_string(), bad.to_string());
+            lease.metadata.annotations = Some(a.clone());
+            assert_eq!(lease_span(&c, 0, &lease), None, "{bad}");
+        }
+    }
+
+    proptest::proptest! {
+        /// The blocks of one size that share an address with a block of another size are
+        /// exactly those `blocks_overlapping` names (brute force over every address).
+        #[test]
+        fn blocks_overlapping_names_exactly_the_blocks_sharing_an_address(prefix in 20u8..=30, mine in 1u64..300, theirs in 1u64..300, pick in 0u64..10_000) {
+            let c = ServiceCidr::parse(&format!("198.19.0.0/{prefix}")).expect("cidr");
+            let total = layout(&c, theirs).1;
+            let other = span(&c, theirs, pick % total).expect("span");
+            let got: HashSet<u64> = blocks_overlapping(&c, mine, &other).into_iter().collect();
+            let want: HashSet<u64> = (0..layout(&c, mine).1).filter(|i| span(&c, mine, *i).is_some_and(|s| overlap(&s, &other))).collect();
+            proptest::prop_assert_eq!(got, want);
+        }
     }
 }

@@ -795,6 +795,62 @@ async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over(
     assert_eq!(all.len(), created, "every create succeeded");
 }
 
+/// Two replicas share a /25 (126 addresses, 8-address blocks by default) to its last
+/// address. Replica 0 answers 100 creates and holds most blocks; then replica 1 alone: its
+/// own block and the last free one are soon used up, and it answers on from blocks replica
+/// 0 hands over when asked — all but at most one block, the last one replica 0 answered
+/// from. Then replica 0 alone fills what it kept. Every address of the range is given once,
+/// and "range is full" comes only when the range is.
+///
+/// Before blocks could be handed over, replica 1 answered "range is full" once its own and
+/// the free blocks were used up (`scripts/test-node.sh` on its /25, 2026-11-26).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_two_replicas_share_a_small_range_to_its_last_address() {
+    let _one_at_a_time = BURST.lock().await;
+    let cp = control_plane();
+    let slice = Slice(23);
+    let range = clusterip::cidr::ServiceCidr::parse("198.19.184.0/25").expect("range");
+    let wh = Webhook::start_with(&cp, "ipaddress", slice, |h| {
+        h.replicas(2);
+        h.ranges = vec![range.to_string()];
+    })
+    .await;
+    let api = wh.services();
+    // Creates one at a time until `limit` succeeded or one failed; the failure's message.
+    let fill = |prefix: &'static str, limit: usize| {
+        let api = api.clone();
+        async move {
+            let mut got = Vec::new();
+            for i in 0..limit {
+                match api.create(&PostParams::default(), &service(&format!("{prefix}-{i}"), |_| {})).await {
+                    Ok(svc) => got.extend(ips(&svc)),
+                    Err(e) => return (got, Some(e.to_string())),
+                }
+            }
+            (got, None)
+        }
+    };
+    let size = range.size() as usize;
+    wh.route_only(&[0]).await;
+    let (first, err) = fill("zero", 100).await;
+    assert_eq!((first.len(), &err), (100, &None), "replica 0 alone: 100 creates succeed");
+    wh.route_only(&[1]).await;
+    let (second, err) = fill("one", size).await;
+    let err = err.expect("replica 1 alone does not fill the range past what replica 0 keeps");
+    assert!(err.contains("range is full"), "replica 1's refusal: {err}");
+    assert!(second.len() + 8 >= size - first.len(), "replica 1 answered {} of the {} addresses left: more than one block short (nothing handed over?); refused with {err}", second.len(), size - first.len());
+    wh.route_only(&[0]).await;
+    let (third, err) = fill("zero-again", size).await;
+    let err = err.expect("the range is full at last");
+    assert!(err.contains("range is full"), "replica 0's refusal: {err}");
+
+    let all: Vec<IpAddr> = first.iter().chain(&second).chain(&third).copied().collect();
+    let unique: BTreeSet<IpAddr> = all.iter().copied().collect();
+    assert_eq!(unique.len(), all.len(), "an address was given twice");
+    assert!(all.iter().all(|ip| range.contains(*ip)), "an address outside {range}");
+    assert_eq!(all.len(), size, "every address of {range} given once ({} + {} + {})", first.len(), second.len(), third.len());
+}
+
 /// The etcd backend's address pool under a pause: replica 0 is stopped (SIGSTOP) past its
 /// etcd lease, so its pool key expires and the repair pass (on replica 1, the leader by
 /// then) releases the addresses it pooled; replica 1 then fills the range — a /26, 62

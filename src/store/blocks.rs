@@ -859,7 +859,8 @@ impl BlockStore {
                 let recorded = self.recorded.view();
                 let st = &*st;
                 let free = |h: &Held| (h.span.first..h.span.end).filter(|o| cidr.ip_at(*o).is_some_and(|ip| !taken(&recorded, st, ip))).count();
-                let pending_in = |h: &Held| st.pending.keys().any(|ip| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end));
+                // (A pick the view shows recorded is no longer in flight, settled at the next tick or not.)
+                let pending_in = |h: &Held| st.pending.keys().any(|ip| !recorded.contains(ip) && cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end));
                 let with_room: Vec<(usize, usize)> = (0..st.held.len()).filter(|&i| st.held[i].range == range && self.usable(&st.held[i], now)).map(|i| (i, free(&st.held[i]))).filter(|(_, f)| *f > 0).collect();
                 with_room
                     .iter()

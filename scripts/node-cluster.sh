@@ -430,11 +430,8 @@ patches:
       - op: replace
         path: /spec/template/spec/containers/0/args/2
         value: --service-cidr=$CLUSTERIP_CIDR
-      # A /25 in the default 256-address blocks is one block, which only one of the two
-      # replicas can hold (docs/backends.md, "The limit: few blocks, several replicas").
-      - op: add
-        path: /spec/template/spec/containers/0/args/-
-        value: --address-block-size=16
+      # (No --address-block-size: the default cuts the /25 into 8-address blocks, and a
+      # replica whose blocks are used up is handed one over: docs/backends.md.)
   - target: {kind: NetworkPolicy, name: clusterip-controller}
     patch: |
       - op: replace

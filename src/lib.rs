@@ -7,6 +7,7 @@
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
 //! - [`serve`]: HTTP serving with limits on what one client may hold (webhook, metrics).
 //! - [`telemetry`]: logging set-up shared by every binary.
+//! - [`units`]: durations as the command line spells them.
 #![forbid(unsafe_code)]
 
 pub mod alloc;
@@ -22,4 +23,5 @@ pub mod serve;
 pub mod store;
 pub mod sync;
 pub mod telemetry;
+pub mod units;
 pub mod webhook;

@@ -64,7 +64,7 @@ use super::etcd_pool::{decode_pool, pool_target, ClaimAnswer, OwnPool};
 use super::{AllocationStore, Cause, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
 use crate::sync::lock;
 
-pub use client::{call, connect, parse_duration, EtcdArgs, EtcdConfig, EtcdError, DEFAULT_MAX_BATCH, DEFAULT_PREFIX};
+pub use client::{call, connect, EtcdArgs, EtcdConfig, EtcdError, DEFAULT_MAX_BATCH, DEFAULT_PREFIX};
 pub use keys::{owner_key, owner_prefix, range_key, UNREADABLE_OWNER};
 
 use client::{get, read};

@@ -235,7 +235,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         }
     };
     let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
-    if store.backend() == "etcd" {
+    if args.backend.backend == BackendKind::Etcd {
         // (The ipaddress backend already counts every IPAddress object as allocated.) Only
         // what the map lacks, in one group-committed batch, not a transaction per address.
         let (seeded, failed) = crate::store::record_missing(store.as_ref(), recorded.snapshot()).await;

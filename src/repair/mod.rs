@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 use crate::cidr::{self, Family, ServiceCidr};
 use crate::metrics::Metrics;
 use crate::store::ipaddress::{KUBE_APISERVER_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
-use crate::store::{AllocationStore, ParentRef, StoreError};
+use crate::store::{AllocationStore, BackendKind, ParentRef, StoreError};
 
 pub use decide::{decide, Action, Config, EventTarget, Finding, Kind, LeakCounts, Mode, RecordView, Records, Report, ServiceView, DEFAULT_GRACE, LEAK_PASSES};
 
@@ -189,7 +189,7 @@ impl Repairer {
                     all.remove(&ip);
                 }
                 progress("records", all.len());
-                (Records::Map(all), store.ranges(), Mode::Etcd, "etcd")
+                (Records::Map(all), store.ranges(), Mode::Etcd, BackendKind::Etcd.as_str())
             }
             Target::IpAddress { manager, ranges, use_servicecidrs } => {
                 let objects = list_ipaddresses(&self.client, progress).await?;
@@ -201,7 +201,7 @@ impl Repairer {
                         }
                     }
                 }
-                (Records::Objects(objects), ranges, Mode::IpAddress { manager: manager.clone() }, "ipaddress")
+                (Records::Objects(objects), ranges, Mode::IpAddress { manager: manager.clone() }, BackendKind::Ipaddress.as_str())
             }
             Target::Audit => {
                 let objects = list_ipaddresses(&self.client, progress).await?;

@@ -23,13 +23,14 @@ use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
 use kube::Client;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{self, Family, ServiceCidr};
 
 use super::fold::{fold, Change};
-use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
+use super::{AllocationStore, BackendKind, ParentRef, RangeUsage, StoreError};
 use crate::sync::lock;
 
 /// Label naming the address family of an IPAddress.
@@ -167,17 +168,9 @@ pub struct IpAddressStore {
     api: Api<IPAddress>,
     cfg: IpAddressConfig,
     state: Arc<Mutex<State>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// The IPAddress and ServiceCIDR watches: aborted when the store drops.
+    _tasks: JoinSet<()>,
 }
-
-impl Drop for IpAddressStore {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
 
 fn family_label(family: Family) -> &'static str {
     match family {
@@ -195,11 +188,12 @@ impl IpAddressStore {
         let state = Arc::new(Mutex::new(State::default()));
         lock(&state).rebuild_ranges(&cfg.ranges);
         let (changed_tx, mut changed_rx) = watch::channel(());
-        let mut tasks = vec![tokio::spawn(watch_ipaddresses(Api::all(client.clone()), state.clone(), cfg.manager.clone(), changed_tx.clone()))];
+        let mut tasks = JoinSet::new();
+        tasks.spawn(watch_ipaddresses(Api::all(client.clone()), state.clone(), cfg.manager.clone(), changed_tx.clone()));
         if cfg.use_servicecidrs {
-            tasks.push(tokio::spawn(watch_servicecidrs(Api::all(client.clone()), state.clone(), cfg.ranges.clone(), changed_tx)));
+            tasks.spawn(watch_servicecidrs(Api::all(client.clone()), state.clone(), cfg.ranges.clone(), changed_tx));
         }
-        let store = Self { api: Api::all(client), cfg, state, tasks };
+        let store = Self { api: Api::all(client), cfg, state, _tasks: tasks };
         let deadline = tokio::time::Instant::now() + store.cfg.sync_timeout;
         while !lock(&store.state).ready(store.cfg.use_servicecidrs) {
             if tokio::time::timeout_at(deadline, changed_rx.changed()).await.is_err() {
@@ -287,7 +281,7 @@ fn api_error(what: &str, name: &str, e: kube::Error) -> StoreError {
 #[async_trait]
 impl AllocationStore for IpAddressStore {
     fn backend(&self) -> &'static str {
-        "ipaddress"
+        BackendKind::Ipaddress.as_str()
     }
 
     fn ranges(&self) -> Vec<ServiceCidr> {

@@ -44,13 +44,6 @@ pub fn service_ips(svc: &Service) -> Vec<String> {
     ips
 }
 
-fn family_word(ip: IpAddr) -> &'static str {
-    match Family::of(ip) {
-        Family::IPv4 => "IPv4",
-        Family::IPv6 => "IPv6",
-    }
-}
-
 /// Record what a live Service holds.
 pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, svc: &Service) -> Result<(), StoreError> {
     let ranges = store.ranges();
@@ -67,7 +60,7 @@ pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, s
         }
         if record_if_missing(store, ip).await? {
             events
-                .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", family_word(ip)))
+                .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", Family::of(ip)))
                 .await;
         }
     }

@@ -267,7 +267,7 @@ impl Repairer {
                 (Kind::MissingRecord, _) => matches!(ipaddrs.get_opt(&f.address).await, Ok(None)),
                 (Kind::Leak | Kind::WrongReference, Target::IpAddress { .. } | Target::Audit) if f.service.is_none() => {
                     match f.record.as_ref().and_then(|r| r.parent.clone()) {
-                        Some(p) if p.group.is_empty() && p.resource == "services" => {
+                        Some(p) if p.is_service() => {
                             let api: Api<Service> = Api::namespaced(self.client.clone(), p.namespace.as_deref().unwrap_or_default());
                             match api.get_opt(&p.name).await {
                                 Ok(Some(svc)) => {

@@ -172,13 +172,6 @@ pub struct IpAddressStore {
     _tasks: JoinSet<()>,
 }
 
-fn family_label(family: Family) -> &'static str {
-    match family {
-        Family::IPv4 => "IPv4",
-        Family::IPv6 => "IPv6",
-    }
-}
-
 impl IpAddressStore {
     /// Start the watches and wait until the caches hold a full list.
     pub async fn open(client: Client, cfg: IpAddressConfig) -> Result<Self, StoreError> {
@@ -222,7 +215,7 @@ impl IpAddressStore {
                 name: Some(ip.to_string()),
                 labels: Some(
                     [
-                        (LABEL_IP_FAMILY.to_string(), family_label(Family::of(ip)).to_string()),
+                        (LABEL_IP_FAMILY.to_string(), Family::of(ip).as_str().to_string()),
                         (LABEL_MANAGED_BY.to_string(), self.cfg.manager.clone()),
                     ]
                     .into(),

@@ -4,6 +4,8 @@
 //! - [`cidr`]: a service CIDR as an ordered set of usable addresses, with the static band.
 //! - [`alloc`]: the allocation map (pure, no I/O): static and dynamic allocation, release.
 //! - [`cli`]: the `clusterip` command line.
+//! - [`k8s`]: our readings of Services, IPAddresses, ServiceCIDRs and our annotations, and
+//!   the IPAddress objects we write.
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
 //! - [`serve`]: HTTP serving with limits on what one client may hold (webhook, metrics).
 //! - [`telemetry`]: logging set-up shared by every binary.
@@ -17,6 +19,7 @@ pub mod controller;
 pub mod crds;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod k8s;
 pub mod metrics;
 pub mod repair;
 pub mod serve;

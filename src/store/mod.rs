@@ -90,6 +90,13 @@ impl From<&k8s_openapi::api::networking::v1::ParentReference> for ParentRef {
     }
 }
 
+impl From<&ParentRef> for k8s_openapi::api::networking::v1::ParentReference {
+    /// The parentRef an IPAddress object carries (the core group as no group).
+    fn from(p: &ParentRef) -> Self {
+        Self { group: Some(p.group.clone()).filter(|g| !g.is_empty()), resource: p.resource.clone(), namespace: p.namespace.clone(), name: p.name.clone() }
+    }
+}
+
 impl std::fmt::Display for ParentRef {
     /// `services/default/web`, `gateways.gateway.networking.k8s.io/ns/name`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

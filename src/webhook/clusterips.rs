@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::ServiceSpec;
 
 use crate::cidr::{self, Family};
+use crate::k8s::service;
 
 pub const SINGLE_STACK: &str = "SingleStack";
 pub const PREFER_DUAL_STACK: &str = "PreferDualStack";
@@ -111,17 +112,17 @@ pub fn invalid_ip_reason(text: &str) -> Option<&'static str> {
 /// Decide what `spec` needs on a cluster whose configured families are `cluster` (in order;
 /// the first is the default family). Every problem found is returned, not only the first.
 pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<FieldError>> {
-    if spec.type_.as_deref() == Some("ExternalName") {
+    if service::is_external_name(spec) {
         return Ok(Decision::NoAddress);
     }
     // Kubernetes' own validation first (`ValidateServiceClusterIPsRelatedFields`, in its
     // order); its errors end the request before any allocation rule is looked at.
     let mut errs = Vec::new();
-    let mut ips: Vec<String> = spec.cluster_ips.clone().unwrap_or_default();
-    let single = spec.cluster_ip.clone().filter(|s| !s.is_empty());
-    match (&single, ips.first()) {
-        // The apiserver fills clusterIPs from clusterIP before it looks at either.
-        (Some(ip), None) => ips = vec![ip.clone()],
+    // The apiserver fills clusterIPs from clusterIP before it looks at either.
+    let ips = service::cluster_ips(spec);
+    let given = spec.cluster_ips.as_deref().unwrap_or_default();
+    let single = spec.cluster_ip.as_deref().filter(|s| !s.is_empty());
+    match (single, given.first()) {
         (Some(ip), Some(first)) if ip != first => errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "first value must match `clusterIP`")),
         (None, Some(_)) => errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "must be empty when `clusterIP` is not specified")),
         _ => {}
@@ -145,7 +146,7 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
             SINGLE_STACK
         }
     };
-    let headless = ips.first().map(String::as_str) == Some("None");
+    let headless = ips.first().map(String::as_str) == Some(service::HEADLESS);
     let mut bad_ips = false;
     let mut parsed: Vec<IpAddr> = Vec::new();
     for (i, text) in ips.iter().enumerate() {

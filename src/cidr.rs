@@ -15,7 +15,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde::Serialize;
 
-/// An IP family, spelled as Kubernetes spells it ("IPv4", "IPv6").
+/// An IP family, spelled as Kubernetes spells it ("IPv4", "IPv6"). The one home of the
+/// family and its texts: from an address [`Family::of`], from a range
+/// [`ServiceCidr::family`], to and from Kubernetes' `ipFamilies` and `ip-family` texts
+/// [`Family::as_str`] / [`Family::parse`] (and `Display`), the number of the snapshot
+/// format and the CLI [`Family::version`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum Family {
     IPv4,
@@ -23,6 +27,9 @@ pub enum Family {
 }
 
 impl Family {
+    /// Both families, in Kubernetes' order (its list of supported `ipFamilies` values).
+    pub const ALL: [Family; 2] = [Family::IPv4, Family::IPv6];
+
     /// The family of an address.
     pub fn of(ip: IpAddr) -> Self {
         if ip.is_ipv4() {
@@ -46,6 +53,14 @@ impl Family {
             "IPv4" => Some(Family::IPv4),
             "IPv6" => Some(Family::IPv6),
             _ => None,
+        }
+    }
+
+    /// The IP version: 4 or 6.
+    pub fn version(&self) -> u8 {
+        match self {
+            Family::IPv4 => 4,
+            Family::IPv6 => 6,
         }
     }
 
@@ -442,6 +457,22 @@ mod tests {
 
     fn cidr(s: &str) -> ServiceCidr {
         ServiceCidr::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
+    }
+
+    #[test]
+    fn a_family_from_an_address_a_range_and_kubernetes_texts() {
+        assert_eq!(Family::of("198.19.0.1".parse().expect("ip")), Family::IPv4);
+        assert_eq!(Family::of("fd00::1".parse().expect("ip")), Family::IPv6);
+        assert_eq!(cidr("fd00:10:96::/112").family(), Family::IPv6);
+        for f in Family::ALL {
+            assert_eq!(Family::parse(f.as_str()), Some(f));
+            assert_eq!(f.to_string(), f.as_str());
+            assert_eq!(f.other().other(), f);
+        }
+        assert_eq!(Family::ALL.map(|f| f.as_str()), ["IPv4", "IPv6"]);
+        assert_eq!(Family::ALL.map(|f| f.version()), [4, 6]);
+        // Exact case, as Kubernetes validates spec.ipFamilies.
+        assert_eq!(Family::parse("ipv4"), None);
     }
     fn ip(s: &str) -> IpAddr {
         s.parse().expect("test ip")

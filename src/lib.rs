@@ -4,9 +4,12 @@
 //! - [`cidr`]: a service CIDR as an ordered set of usable addresses, with the static band.
 //! - [`alloc`]: the allocation map (pure, no I/O): static and dynamic allocation, release.
 //! - [`cli`]: the `clusterip` command line.
+//! - [`k8s`]: our readings of Services, IPAddresses, ServiceCIDRs and our annotations, and
+//!   the IPAddress objects we write.
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
 //! - [`serve`]: HTTP serving with limits on what one client may hold (webhook, metrics).
 //! - [`telemetry`]: logging set-up shared by every binary.
+//! - [`units`]: durations as the command line spells them.
 #![forbid(unsafe_code)]
 
 pub mod alloc;
@@ -16,10 +19,12 @@ pub mod controller;
 pub mod crds;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod k8s;
 pub mod metrics;
 pub mod repair;
 pub mod serve;
 pub mod store;
 pub mod sync;
 pub mod telemetry;
+pub mod units;
 pub mod webhook;

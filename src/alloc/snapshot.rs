@@ -23,7 +23,7 @@
 use std::io::Read;
 
 use super::{AllocError, AllocationMap};
-use crate::cidr::{Family, ServiceCidr};
+use crate::cidr::ServiceCidr;
 
 pub const MAGIC: &[u8; 4] = b"CIPM";
 pub const VERSION: u8 = 1;
@@ -52,10 +52,7 @@ pub fn encode(map: &AllocationMap) -> Vec<u8> {
     let mut out = Vec::with_capacity(40 + layers.iter().map(|(_, b)| b.serialized_size() + 8).sum::<usize>());
     out.extend_from_slice(MAGIC);
     out.push(VERSION);
-    out.push(match cidr.family() {
-        Family::IPv4 => 4,
-        Family::IPv6 => 6,
-    });
+    out.push(cidr.family().version());
     out.push(cidr.prefix_len());
     out.extend_from_slice(&network_bytes(cidr));
     out.extend_from_slice(&map.used().to_be_bytes());
@@ -108,10 +105,7 @@ pub fn decode(cidr: &ServiceCidr, bytes: &[u8]) -> Result<AllocationMap, AllocEr
     let head = r.take(2, "family and prefix")?;
     let (family, prefix) = (head[0], head[1]);
     let network = r.take(16, "network")?;
-    let want_family = match cidr.family() {
-        Family::IPv4 => 4,
-        Family::IPv6 => 6,
-    };
+    let want_family = cidr.family().version();
     if family != want_family || prefix != cidr.prefix_len() || network != network_bytes(cidr) {
         return Err(err(format!("the snapshot is of another range (family {family}, prefix /{prefix}), not {cidr}")));
     }

@@ -64,12 +64,12 @@ pub struct ReleaseArgs {
     pub parent: Option<String>,
 }
 
+/// Kubernetes' spelling, lower case, or the version: `IPv4`, `ipv4`, `4`.
 fn parse_family(s: &str) -> Result<Family, String> {
-    match s {
-        "IPv4" | "ipv4" | "4" => Ok(Family::IPv4),
-        "IPv6" | "ipv6" | "6" => Ok(Family::IPv6),
-        _ => Err(format!("invalid family {s:?}: use IPv4 or IPv6")),
-    }
+    Family::ALL
+        .into_iter()
+        .find(|f| s == f.as_str() || s == f.as_str().to_ascii_lowercase() || s == f.version().to_string())
+        .ok_or_else(|| format!("invalid family {s:?}: use IPv4 or IPv6"))
 }
 
 /// Parse `services/default/web` or `gateways.gateway.networking.k8s.io/ns/name`.
@@ -155,4 +155,19 @@ pub async fn release(args: ReleaseArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(if failed == 0 { 0 } else { 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_family_as_kubernetes_spells_it_in_lower_case_or_by_version() {
+        for (text, want) in [("IPv4", Family::IPv4), ("ipv4", Family::IPv4), ("4", Family::IPv4), ("IPv6", Family::IPv6), ("ipv6", Family::IPv6), ("6", Family::IPv6)] {
+            assert_eq!(parse_family(text), Ok(want), "{text}");
+        }
+        for text in ["IPV4", "v4", "", "46"] {
+            assert_eq!(parse_family(text), Err(format!("invalid family {text:?}: use IPv4 or IPv6")));
+        }
+    }
 }

@@ -10,15 +10,7 @@ use crate::cidr::ServiceCidr;
 use crate::store::etcd::{EtcdArgs, EtcdStore};
 use crate::store::ipaddress::{IpAddressConfig, IpAddressStore, DEFAULT_MANAGER};
 use crate::store::AllocationStore;
-
-/// Where allocation records live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendKind {
-    /// A roaring-bitmap allocation map per range, one etcd key each.
-    Etcd,
-    /// networking.k8s.io/v1 IPAddress objects, through the kube-apiserver.
-    Ipaddress,
-}
+pub use crate::store::BackendKind;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct BackendArgs {

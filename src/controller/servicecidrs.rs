@@ -21,7 +21,8 @@ use kube::runtime::watcher;
 use serde_json::json;
 use tracing::{info, warn};
 
-use crate::cidr::{self, ServiceCidr};
+use crate::cidr::ServiceCidr;
+use crate::k8s::{self, servicecidr};
 use crate::metrics::{ControllerLabels, Metrics};
 use crate::store::AllocationStore;
 
@@ -45,23 +46,15 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
 }
 
-fn prefixes(sc: &ServiceCIDR) -> Vec<ServiceCidr> {
-    sc.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default().iter().filter_map(|c| ServiceCidr::parse(c).ok()).collect()
-}
-
-fn ready_condition(sc: &ServiceCIDR) -> Option<&Condition> {
-    sc.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == "Ready")
-}
-
 async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
-    if let Some(c) = ready_condition(sc) {
+    if let Some(c) = servicecidr::ready_condition(sc) {
         if c.status == status && c.reason == reason && c.message == message {
             return Ok(());
         }
     }
     let name = sc.metadata.name.clone().unwrap_or_default();
     let cond = Condition {
-        type_: "Ready".into(),
+        type_: servicecidr::READY.into(),
         status: status.into(),
         reason: reason.into(),
         message: message.into(),
@@ -75,11 +68,11 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
 
 /// Addresses in use that only `sc` covers: IPAddress objects and our own records.
 async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR]) -> Result<Vec<IpAddr>, Error> {
-    let mine = prefixes(sc);
+    let mine = servicecidr::ranges(sc);
     let others: Vec<ServiceCidr> = all
         .iter()
         .filter(|o| o.metadata.name != sc.metadata.name && o.metadata.deletion_timestamp.is_none())
-        .flat_map(prefixes)
+        .flat_map(servicecidr::ranges)
         .collect();
     let only_here = |ip: &IpAddr| mine.iter().any(|c| c.contains(*ip)) && !others.iter().any(|c| c.contains(*ip));
     let mut used: Vec<IpAddr> = Api::<IPAddress>::all(ctx.client.clone())
@@ -87,7 +80,7 @@ async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR
         .await?
         .items
         .iter()
-        .filter_map(|a| cidr::parse_ip(a.metadata.name.as_deref()?).ok())
+        .filter_map(|a| k8s::ipaddress::address(a.metadata.name.as_deref()?))
         .filter(only_here)
         .collect();
     used.extend(ctx.store.allocated().await?.into_iter().filter(only_here));

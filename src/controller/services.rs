@@ -27,34 +27,17 @@ use kube::runtime::WatchStreamExt;
 use tracing::{debug, info, warn};
 
 use crate::cidr::{self, Family};
+use crate::k8s::service::held_ips;
 use crate::metrics::Metrics;
 use crate::store::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, StoreError};
 
 use super::events::ServiceEvents;
 
-/// The addresses a Service holds ("None" and empty are no address).
-pub fn service_ips(svc: &Service) -> Vec<String> {
-    let spec = svc.spec.as_ref();
-    let mut ips = spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
-    if ips.is_empty() {
-        ips.extend(spec.and_then(|s| s.cluster_ip.clone()));
-    }
-    ips.retain(|s| !s.is_empty() && s != "None");
-    ips
-}
-
-fn family_word(ip: IpAddr) -> &'static str {
-    match Family::of(ip) {
-        Family::IPv4 => "IPv4",
-        Family::IPv6 => "IPv6",
-    }
-}
-
 /// Record what a live Service holds.
 pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, svc: &Service) -> Result<(), StoreError> {
     let ranges = store.ranges();
-    for text in service_ips(svc) {
+    for text in held_ips(svc) {
         let ip = match cidr::parse_ip_sloppy(&text) {
             Ok(ip) => ip,
             Err(_) => {
@@ -67,7 +50,7 @@ pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, s
         }
         if record_if_missing(store, ip).await? {
             events
-                .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", family_word(ip)))
+                .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", Family::of(ip)))
                 .await;
         }
     }
@@ -95,7 +78,7 @@ const RELEASE_TICK: Duration = Duration::from_secs(1);
 
 /// The addresses in our ranges a Service holds.
 fn held_in(ranges: &[crate::cidr::ServiceCidr], svc: &Service) -> Vec<IpAddr> {
-    service_ips(svc).iter().filter_map(|t| cidr::parse_ip_sloppy(t).ok()).filter(|ip| ranges.iter().any(|c| c.contains(*ip))).collect()
+    held_ips(svc).iter().filter_map(|t| cidr::parse_ip_sloppy(t).ok()).filter(|ip| ranges.iter().any(|c| c.contains(*ip))).collect()
 }
 
 fn key_of(svc: &Service) -> String {
@@ -300,7 +283,7 @@ mod tests {
         assert_eq!(held_in(&range(), &svc), vec![ip("198.19.0.5"), ip("fd00:10:96::5")]);
         let elsewhere = service("u2", &["10.0.0.5", "not-an-ip"]);
         assert!(held_in(&range(), &elsewhere).is_empty());
-        assert_eq!(service_ips(&service("u3", &["None"])), Vec::<String>::new());
+        assert_eq!(held_ips(&service("u3", &["None"])), Vec::<String>::new());
     }
 
     #[test]

@@ -296,13 +296,6 @@ impl Finding {
 
 const READ_ONLY_AUDIT: &str = "read-only audit";
 
-fn family_word(ip: IpAddr) -> &'static str {
-    Family::of(ip).as_str()
-}
-
-fn is_service_parent(p: &ParentRef) -> bool {
-    p.group.is_empty() && p.resource == "services"
-}
 
 /// The address an IPAddress object is named for, when its name is a canonical address.
 fn canonical(name: &str) -> Option<IpAddr> {
@@ -464,21 +457,21 @@ impl<'a> Pass<'a> {
                     Kind::FamilyNotConfigured,
                     "ClusterIPNotValid",
                     "ClusterIPValidation",
-                    format!("Cluster IP {ip}({}) is of ip family that is no longer configured on cluster; please recreate service", family_word(ip)),
+                    format!("Cluster IP {ip}({}) is of ip family that is no longer configured on cluster; please recreate service", Family::of(ip)),
                 )
             } else if cfg.mode == Mode::Etcd && !configured.is_empty() {
                 (
                     Kind::OutOfRange,
                     "ClusterIPOutOfRange",
                     "ClusterIPAllocation",
-                    format!("Cluster IP [{}]:{ip} is not within the service CIDR {}; please recreate service", family_word(ip), configured.join(", ")),
+                    format!("Cluster IP [{}]:{ip} is not within the service CIDR {}; please recreate service", Family::of(ip), configured.join(", ")),
                 )
             } else {
                 (
                     Kind::OutOfRange,
                     "ClusterIPOutOfRange",
                     "ClusterIPAllocation",
-                    format!("Cluster IP [{}]: {ip} is not within any configured Service CIDR; please recreate service", family_word(ip)),
+                    format!("Cluster IP [{}]: {ip} is not within any configured Service CIDR; please recreate service", Family::of(ip)),
                 )
             };
             findings.push(
@@ -497,7 +490,7 @@ impl<'a> Pass<'a> {
                     svc,
                     "ClusterIPAlreadyAllocated",
                     "ClusterIPAllocation",
-                    format!("Cluster IP [{}]:{ip} was assigned to multiple services; please recreate service", family_word(ip)),
+                    format!("Cluster IP [{}]:{ip} was assigned to multiple services; please recreate service", Family::of(ip)),
                 )
             });
             findings.push(
@@ -509,7 +502,7 @@ impl<'a> Pass<'a> {
     /// The checks of one in-range Service address against its IPAddress object.
     fn record_checks(&self, ip: IpAddr, owners: &[&ServiceView], record: Option<&RecordView>, findings: &mut Vec<Finding>) {
         let first = owners[0];
-        let fam = family_word(ip);
+        let fam = Family::of(ip);
         let Some(r) = record else {
             let event = (!self.audit).then(|| {
                 service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{fam}]: {ip} is not allocated; repairing"))
@@ -518,7 +511,7 @@ impl<'a> Pass<'a> {
             return;
         };
         let points_to_owner = r.parent.as_ref().is_some_and(|p| {
-            is_service_parent(p) && owners.iter().any(|s| p.namespace.as_deref().unwrap_or_default() == s.namespace && p.name == s.name)
+            p.is_service() && owners.iter().any(|s| p.namespace.as_deref().unwrap_or_default() == s.namespace && p.name == s.name)
         });
         let fix = || match self.read_only(r) {
             Some(why) => Action::None(why),
@@ -534,7 +527,7 @@ impl<'a> Pass<'a> {
             findings.push(replace(Kind::WrongReference, format!("{} (record: {parent})", first.key())));
             return;
         }
-        let family_ok = r.family_label.as_deref() == Some(fam);
+        let family_ok = r.family_label.as_deref() == Some(fam.as_str());
         let manager_ok = match &self.cfg.mode {
             Mode::Audit { manager } => r.managed_by.as_deref() == Some(manager.as_str()),
             _ => r.managed_by.as_deref().is_some_and(|m| !m.is_empty()),
@@ -577,7 +570,7 @@ impl<'a> Pass<'a> {
                 continue;
             }
             let Some(parent) = r.parent.as_ref() else { continue };
-            if !is_service_parent(parent) {
+            if !parent.is_service() {
                 // Our records may belong to parents other than Services; those are not
                 // ours to judge here (Kubernetes' own objects must name a Service).
                 if self.audit {
@@ -627,12 +620,12 @@ impl<'a> Pass<'a> {
 
 /// The etcd backend: a held in-range address the allocation map does not record.
 fn missing_map_record(ip: IpAddr, first: &ServiceView) -> Finding {
-    let event = service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]:{ip} is not allocated; repairing", family_word(ip)));
+    let event = service_event(first, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]:{ip} is not allocated; repairing", Family::of(ip)));
     Finding::new(Kind::MissingRecord, ip.to_string(), first.key(), Action::Create).for_service(first).with_event(Some(event))
 }
 
 /// Kubernetes' Event for a record that does not point at its Service the way it should.
-fn wrong_reference_event(first: &ServiceView, fam: &str, ip: IpAddr) -> EventText {
+fn wrong_reference_event(first: &ServiceView, fam: Family, ip: IpAddr) -> EventText {
     service_event(
         first,
         "ClusterIPNotAllocated",

@@ -28,13 +28,13 @@ fn ipaddr() -> Config {
 }
 
 fn record(name: &str, manager: &str, parent: Option<ParentRef>, age_secs: u64) -> RecordView {
-    let family = if name.contains(':') { "IPv6" } else { "IPv4" };
+    let family = if name.contains(':') { Family::IPv6 } else { Family::IPv4 };
     RecordView {
         name: name.into(),
         uid: Some(format!("uid-{name}")),
         resource_version: Some("1".into()),
         managed_by: Some(manager.into()),
-        family_label: Some(family.into()),
+        family_label: Some(family.as_str().into()),
         parent,
         age: Some(Duration::from_secs(age_secs)),
     }

@@ -19,15 +19,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
-use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference, ServiceCIDR};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{debug, info, warn};
 
-use crate::cidr::{self, Family, ServiceCidr};
+use crate::cidr::{self, ServiceCidr};
+use crate::k8s;
+use crate::k8s::ipaddress::{KUBE_APISERVER_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
 use crate::metrics::Metrics;
-use crate::store::ipaddress::{KUBE_APISERVER_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
-use crate::store::{AllocationStore, ParentRef, StoreError};
+use crate::store::{AllocationStore, BackendKind, ParentRef, StoreError};
 
 pub use decide::{decide, Action, Config, EventTarget, Finding, Kind, LeakCounts, Mode, RecordView, Records, Report, ServiceView, DEFAULT_GRACE, LEAK_PASSES};
 
@@ -189,7 +190,7 @@ impl Repairer {
                     all.remove(&ip);
                 }
                 progress("records", all.len());
-                (Records::Map(all), store.ranges(), Mode::Etcd, "etcd")
+                (Records::Map(all), store.ranges(), Mode::Etcd, BackendKind::Etcd.as_str())
             }
             Target::IpAddress { manager, ranges, use_servicecidrs } => {
                 let objects = list_ipaddresses(&self.client, progress).await?;
@@ -201,7 +202,7 @@ impl Repairer {
                         }
                     }
                 }
-                (Records::Objects(objects), ranges, Mode::IpAddress { manager: manager.clone() }, "ipaddress")
+                (Records::Objects(objects), ranges, Mode::IpAddress { manager: manager.clone() }, BackendKind::Ipaddress.as_str())
             }
             Target::Audit => {
                 let objects = list_ipaddresses(&self.client, progress).await?;
@@ -267,11 +268,11 @@ impl Repairer {
                 (Kind::MissingRecord, _) => matches!(ipaddrs.get_opt(&f.address).await, Ok(None)),
                 (Kind::Leak | Kind::WrongReference, Target::IpAddress { .. } | Target::Audit) if f.service.is_none() => {
                     match f.record.as_ref().and_then(|r| r.parent.clone()) {
-                        Some(p) if p.group.is_empty() && p.resource == "services" => {
+                        Some(p) if p.is_service() => {
                             let api: Api<Service> = Api::namespaced(self.client.clone(), p.namespace.as_deref().unwrap_or_default());
                             match api.get_opt(&p.name).await {
                                 Ok(Some(svc)) => {
-                                    let holds = crate::controller::services::service_ips(&svc).contains(&f.address);
+                                    let holds = k8s::service::held_ips(&svc).contains(&f.address);
                                     // Leak: the parent exists now. Wrong reference: it holds it now.
                                     if f.kind == Kind::Leak { false } else { !holds }
                                 }
@@ -347,16 +348,7 @@ impl Repairer {
     async fn create_record(&self, address: &str, service: Option<&(String, String)>, manager: &str) -> Result<(), ActionError> {
         let Some((ns, name)) = service else { return Err(ActionError::NoService) };
         let ip = cidr::parse_ip(address)?;
-        let obj = IPAddress {
-            metadata: ObjectMeta {
-                name: Some(ip.to_string()),
-                labels: Some(
-                    [(LABEL_IP_FAMILY.to_string(), Family::of(ip).as_str().to_string()), (LABEL_MANAGED_BY.to_string(), manager.to_string())].into(),
-                ),
-                ..Default::default()
-            },
-            spec: IPAddressSpec { parent_ref: ParentReference { group: None, resource: "services".into(), namespace: Some(ns.clone()), name: name.clone() } },
-        };
+        let obj = k8s::ipaddress::build(ip, (&ParentRef::service(ns, name)).into(), manager);
         let api: Api<IPAddress> = Api::all(self.client.clone());
         match api.create(&PostParams::default(), &obj).await {
             Ok(_) => Ok(()),
@@ -409,7 +401,7 @@ pub async fn list_ipaddresses(client: &kube::Client, progress: Progress<'_>) -> 
 /// What `clusterip repair --rebuild` rebuilds an unreadable allocation map from.
 pub async fn cluster_addresses(client: &kube::Client) -> Result<BTreeSet<IpAddr>, RepairError> {
     let services: Api<Service> = Api::all(client.clone());
-    let mut all: BTreeSet<IpAddr> = list_all(&services, "Services", &|_, _| {}, |s| crate::controller::services::service_ips(&s))
+    let mut all: BTreeSet<IpAddr> = list_all(&services, "Services", &|_, _| {}, |s| k8s::service::held_ips(&s))
         .await?
         .into_iter()
         .flatten()
@@ -420,7 +412,7 @@ pub async fn cluster_addresses(client: &kube::Client) -> Result<BTreeSet<IpAddr>
     loop {
         let lp = ListParams { limit: Some(PAGE), continue_token: token.clone(), ..Default::default() };
         let page = ipaddrs.list_metadata(&lp).await.map_err(|source| RepairError::List { what: "IPAddresses", source })?;
-        all.extend(page.items.iter().filter_map(|o| cidr::parse_ip(o.metadata.name.as_deref()?).ok()));
+        all.extend(page.items.iter().filter_map(|o| k8s::ipaddress::address(o.metadata.name.as_deref()?)));
         token = page.metadata.continue_.filter(|t| !t.is_empty());
         if token.is_none() {
             return Ok(all);
@@ -433,13 +425,9 @@ pub async fn servicecidr_ranges(client: &kube::Client) -> Result<Vec<ServiceCidr
     let api: Api<ServiceCIDR> = Api::all(client.clone());
     let list = api.list(&ListParams::default()).await.map_err(|source| RepairError::List { what: "ServiceCIDRs", source })?;
     let mut out = Vec::new();
-    for obj in list.items {
-        for text in obj.spec.and_then(|s| s.cidrs).unwrap_or_default() {
-            match ServiceCidr::parse(&text) {
-                Ok(c) if !out.contains(&c) => out.push(c),
-                Ok(_) => {}
-                Err(e) => warn!(servicecidr = ?obj.metadata.name, cidr = %text, error = %e, "ignoring an unusable ServiceCIDR range"),
-            }
+    for c in list.items.iter().flat_map(k8s::servicecidr::ranges) {
+        if !out.contains(&c) {
+            out.push(c);
         }
     }
     Ok(out)
@@ -477,14 +465,8 @@ where
 
 /// What the pass needs of a Service.
 pub fn service_view(svc: Service) -> ServiceView {
-    let cluster_ips = crate::controller::services::service_ips(&svc);
-    let assigned_by_us = svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(crate::webhook::admission::RESERVED_ANNOTATION))
-        .map(|v| v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect())
-        .unwrap_or_default();
+    let cluster_ips = k8s::service::held_ips(&svc);
+    let assigned_by_us = k8s::annotations::reserved(&svc.metadata);
     ServiceView {
         namespace: svc.metadata.namespace.unwrap_or_default(),
         name: svc.metadata.name.unwrap_or_default(),
@@ -497,15 +479,17 @@ pub fn service_view(svc: Service) -> ServiceView {
 
 /// What the pass needs of an IPAddress.
 pub fn record_view(obj: IPAddress, now: k8s_openapi::jiff::Timestamp) -> RecordView {
-    let labels = obj.metadata.labels.unwrap_or_default();
-    let p = obj.spec.parent_ref;
+    let label = |key| k8s::ipaddress::label(&obj.metadata, key).map(str::to_string);
+    let (managed_by, family_label) = (label(LABEL_MANAGED_BY), label(LABEL_IP_FAMILY));
+    let mut parent = ParentRef::from(&obj.spec.parent_ref);
+    parent.namespace = parent.namespace.filter(|n| !n.is_empty());
     RecordView {
         name: obj.metadata.name.unwrap_or_default(),
         uid: obj.metadata.uid,
         resource_version: obj.metadata.resource_version,
-        managed_by: labels.get(LABEL_MANAGED_BY).cloned(),
-        family_label: labels.get(LABEL_IP_FAMILY).cloned(),
-        parent: Some(ParentRef { group: p.group.unwrap_or_default(), resource: p.resource, namespace: p.namespace.filter(|n| !n.is_empty()), name: p.name }),
+        managed_by,
+        family_label,
+        parent: Some(parent),
         age: obj.metadata.creation_timestamp.map(|t| {
             let secs = now.duration_since(t.0).as_secs_f64();
             Duration::from_secs_f64(secs.max(0.0))

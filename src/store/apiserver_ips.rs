@@ -17,7 +17,7 @@ use kube::api::{Api, PartialObjectMeta};
 use tokio::sync::watch;
 use tracing::warn;
 
-use crate::cidr;
+use crate::k8s;
 
 use super::fold::{fold, Change};
 use super::{StoreError, Unreadable};
@@ -58,7 +58,7 @@ impl ApiserverIps {
             // The address an object's name records, or the name that records none.
             let read = |o: &PartialObjectMeta<IPAddress>| -> Result<IpAddr, String> {
                 let name = o.metadata.name.clone().unwrap_or_default();
-                address(&name).ok_or(name)
+                k8s::ipaddress::address(&name).ok_or(name)
             };
             fold(api, "IPAddress", read, |change| match change {
                 Change::Replace(list) => {
@@ -148,9 +148,4 @@ impl ApiserverIps {
 
 fn warn_unreadable(name: &str) {
     warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
-}
-
-/// The address an IPAddress object's name records, if it is one.
-fn address(name: &str) -> Option<IpAddr> {
-    cidr::parse_ip(name).ok()
 }

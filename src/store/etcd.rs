@@ -55,16 +55,17 @@ use async_trait::async_trait;
 use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
 use tracing::info;
 
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{Family, ServiceCidr};
 
 use super::etcd_pool::{decode_pool, pool_target, ClaimAnswer, OwnPool};
-use super::{AllocationStore, Cause, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
+use super::{AllocationStore, BackendKind, Cause, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
 use crate::sync::lock;
 
-pub use client::{call, connect, parse_duration, EtcdArgs, EtcdConfig, EtcdError, DEFAULT_MAX_BATCH, DEFAULT_PREFIX};
+pub use client::{call, connect, EtcdArgs, EtcdConfig, EtcdError, DEFAULT_MAX_BATCH, DEFAULT_PREFIX};
 pub use keys::{owner_key, owner_prefix, range_key, UNREADABLE_OWNER};
 
 use client::{get, read};
@@ -96,15 +97,8 @@ pub struct EtcdStore {
     /// Our name in claims we make.
     name: String,
     waiters: Waiters,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for EtcdStore {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
+    /// Each range's committer and watch, the lease keeper: aborted when the store drops.
+    _tasks: JoinSet<()>,
 }
 
 /// What the parts of one range share: its committer, its watch and the answers to claims
@@ -141,7 +135,7 @@ impl EtcdStore {
         let name = unique_name();
         let waiters: Waiters = Arc::default();
         let mut per_range = Vec::new();
-        let mut tasks = Vec::new();
+        let mut tasks = JoinSet::new();
         for (index, cidr) in cidrs.iter().enumerate() {
             let key = range_key(&cfg.prefix, cidr);
             let view = Arc::new(Mutex::new(View {
@@ -167,15 +161,15 @@ impl EtcdStore {
             };
             reload(&ctx).await?;
             let committer = Committer::new(ctx.clone(), cfg.max_batch);
-            tasks.push(tokio::spawn(committer.run(rx)));
-            tasks.push(tokio::spawn(watch_range(ctx)));
+            tasks.spawn(committer.run(rx));
+            tasks.spawn(watch_range(ctx));
             per_range.push(Range { key, view, queue: tx });
         }
         let queues: Vec<_> = per_range.iter().map(|r| r.queue.clone()).collect();
         if pool.enabled() {
-            tasks.push(tokio::spawn(keep_lease(client.clone(), pool.clone(), queues)));
+            tasks.spawn(keep_lease(client.clone(), pool.clone(), queues));
         }
-        Ok(Self { ranges: RangeSet::new(cidrs), per_range, client, timeout: cfg.request_timeout, pool, name, waiters, tasks })
+        Ok(Self { ranges: RangeSet::new(cidrs), per_range, client, timeout: cfg.request_timeout, pool, name, waiters, _tasks: tasks })
     }
 
     /// The etcd key of each range.
@@ -342,7 +336,7 @@ async fn drain_import<F: std::future::Future<Output = Reply>>(
 #[async_trait]
 impl AllocationStore for EtcdStore {
     fn backend(&self) -> &'static str {
-        "etcd"
+        BackendKind::Etcd.as_str()
     }
 
     fn ranges(&self) -> Vec<ServiceCidr> {

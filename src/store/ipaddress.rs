@@ -19,27 +19,23 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference, ServiceCIDR};
-use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::Client;
 use tokio::sync::watch;
-use tracing::{debug, warn};
+use tokio::task::JoinSet;
+use tracing::debug;
 
 use crate::alloc::{AllocError, AllocationMap};
-use crate::cidr::{self, Family, ServiceCidr};
+use crate::cidr::{Family, ServiceCidr};
+use crate::k8s;
 
 use super::fold::{fold, Change};
-use super::{AllocationStore, ParentRef, RangeUsage, StoreError};
+use super::{AllocationStore, BackendKind, ParentRef, RangeUsage, StoreError};
 use crate::sync::lock;
 
-/// Label naming the address family of an IPAddress.
-pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
-/// Label naming the controller that manages an IPAddress.
-pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
 /// Our value of the managed-by label.
 pub const DEFAULT_MANAGER: &str = "clusterip.allocator";
-/// The kube-apiserver's value of the managed-by label.
-pub const KUBE_APISERVER_MANAGER: &str = "ipallocator.k8s.io";
 
 /// How the IPAddress backend finds its ranges and names itself.
 #[derive(Clone, Debug)]
@@ -167,23 +163,8 @@ pub struct IpAddressStore {
     api: Api<IPAddress>,
     cfg: IpAddressConfig,
     state: Arc<Mutex<State>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for IpAddressStore {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-
-fn family_label(family: Family) -> &'static str {
-    match family {
-        Family::IPv4 => "IPv4",
-        Family::IPv6 => "IPv6",
-    }
+    /// The IPAddress and ServiceCIDR watches: aborted when the store drops.
+    _tasks: JoinSet<()>,
 }
 
 impl IpAddressStore {
@@ -195,11 +176,12 @@ impl IpAddressStore {
         let state = Arc::new(Mutex::new(State::default()));
         lock(&state).rebuild_ranges(&cfg.ranges);
         let (changed_tx, mut changed_rx) = watch::channel(());
-        let mut tasks = vec![tokio::spawn(watch_ipaddresses(Api::all(client.clone()), state.clone(), cfg.manager.clone(), changed_tx.clone()))];
+        let mut tasks = JoinSet::new();
+        tasks.spawn(watch_ipaddresses(Api::all(client.clone()), state.clone(), cfg.manager.clone(), changed_tx.clone()));
         if cfg.use_servicecidrs {
-            tasks.push(tokio::spawn(watch_servicecidrs(Api::all(client.clone()), state.clone(), cfg.ranges.clone(), changed_tx)));
+            tasks.spawn(watch_servicecidrs(Api::all(client.clone()), state.clone(), cfg.ranges.clone(), changed_tx));
         }
-        let store = Self { api: Api::all(client), cfg, state, tasks };
+        let store = Self { api: Api::all(client), cfg, state, _tasks: tasks };
         let deadline = tokio::time::Instant::now() + store.cfg.sync_timeout;
         while !lock(&store.state).ready(store.cfg.use_servicecidrs) {
             if tokio::time::timeout_at(deadline, changed_rx.changed()).await.is_err() {
@@ -223,27 +205,7 @@ impl IpAddressStore {
 
     fn object(&self, ip: IpAddr, parent: Option<&ParentRef>) -> IPAddress {
         let parent = parent.unwrap_or(&self.cfg.default_parent);
-        IPAddress {
-            metadata: ObjectMeta {
-                name: Some(ip.to_string()),
-                labels: Some(
-                    [
-                        (LABEL_IP_FAMILY.to_string(), family_label(Family::of(ip)).to_string()),
-                        (LABEL_MANAGED_BY.to_string(), self.cfg.manager.clone()),
-                    ]
-                    .into(),
-                ),
-                ..Default::default()
-            },
-            spec: IPAddressSpec {
-                parent_ref: ParentReference {
-                    group: Some(parent.group.clone()).filter(|g| !g.is_empty()),
-                    resource: parent.resource.clone(),
-                    namespace: parent.namespace.clone(),
-                    name: parent.name.clone(),
-                },
-            },
-        }
+        k8s::ipaddress::build(ip, parent.into(), &self.cfg.manager)
     }
 
     /// Create the object for a candidate the caller already marked taken and pending.
@@ -287,7 +249,7 @@ fn api_error(what: &str, name: &str, e: kube::Error) -> StoreError {
 #[async_trait]
 impl AllocationStore for IpAddressStore {
     fn backend(&self) -> &'static str {
-        "ipaddress"
+        BackendKind::Ipaddress.as_str()
     }
 
     fn ranges(&self) -> Vec<ServiceCidr> {
@@ -412,7 +374,7 @@ impl IpAddressStore {
                     }
                     Err(e) => return Err(api_error("reading IPAddress", &name, e)),
                 };
-                if !managed_by(&current, &self.cfg.manager) {
+                if !k8s::ipaddress::managed_by(&current, &self.cfg.manager) {
                     debug!(%ip, "not releasing an IPAddress managed by another controller");
                     return Ok(());
                 }
@@ -441,17 +403,11 @@ impl IpAddressStore {
 
 /// Parse an IPAddress name; names that are not canonical addresses are ignored.
 fn address_of(obj: &IPAddress) -> Option<IpAddr> {
-    let name = obj.metadata.name.as_deref()?;
-    let ip = cidr::parse_ip(name).ok()?;
-    (ip.to_string() == name).then_some(ip)
-}
-
-fn managed_by(obj: &IPAddress, manager: &str) -> bool {
-    obj.metadata.labels.as_ref().and_then(|l| l.get(LABEL_MANAGED_BY)).map(String::as_str) == Some(manager)
+    k8s::ipaddress::canonical_address(obj.metadata.name.as_deref()?)
 }
 
 async fn watch_ipaddresses(api: Api<IPAddress>, state: Arc<Mutex<State>>, manager: String, changed: watch::Sender<()>) {
-    let read = |obj: &IPAddress| Some((address_of(obj)?, managed_by(obj, &manager)));
+    let read = |obj: &IPAddress| Some((address_of(obj)?, k8s::ipaddress::managed_by(obj, &manager)));
     fold(api, "IPAddress", read, |change| match change {
         Change::Replace(list) => {
             let list: BTreeMap<IpAddr, bool> = list.into_iter().flatten().collect();
@@ -476,23 +432,8 @@ async fn watch_ipaddresses(api: Api<IPAddress>, state: Arc<Mutex<State>>, manage
 
 /// The cidrs of a ServiceCIDR and whether it gives new addresses.
 fn servicecidr_ranges(obj: &ServiceCIDR) -> Vec<(ServiceCidr, bool)> {
-    let deleting = obj.metadata.deletion_timestamp.is_some();
-    let ready = obj
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
-        .map(|c| c.status == "True")
-        .unwrap_or(true);
-    let cidrs = obj.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
-    let mut out = Vec::new();
-    for text in cidrs {
-        match ServiceCidr::parse(&text) {
-            Ok(c) => out.push((c, ready && !deleting)),
-            Err(e) => warn!(servicecidr = ?obj.metadata.name, cidr = %text, error = %e, "ignoring an unusable ServiceCIDR range"),
-        }
-    }
-    out
+    let allocatable = k8s::servicecidr::allocatable(obj);
+    k8s::servicecidr::ranges(obj).into_iter().map(|c| (c, allocatable)).collect()
 }
 
 async fn watch_servicecidrs(api: Api<ServiceCIDR>, state: Arc<Mutex<State>>, flag_ranges: Vec<ServiceCidr>, changed: watch::Sender<()>) {

@@ -31,6 +31,32 @@ use crate::cidr::{Family, ServiceCidr};
 
 pub use ranges::RangeSet;
 
+/// Where allocation records live: the backends a controller runs with. `as_str()` is the
+/// name logs, metrics and reports give it (and `--backend` takes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum BackendKind {
+    /// A roaring-bitmap allocation map per range, one etcd key each.
+    Etcd,
+    /// networking.k8s.io/v1 IPAddress objects, through the kube-apiserver.
+    Ipaddress,
+}
+
+impl BackendKind {
+    /// "etcd", "ipaddress".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Etcd => "etcd",
+            BackendKind::Ipaddress => "ipaddress",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The object an address is allocated to, as an IPAddress `spec.parentRef` names it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ParentRef {
@@ -61,6 +87,13 @@ impl From<&k8s_openapi::api::networking::v1::ParentReference> for ParentRef {
     /// The parentRef an IPAddress object carries (an absent group is the core group).
     fn from(p: &k8s_openapi::api::networking::v1::ParentReference) -> Self {
         Self { group: p.group.clone().unwrap_or_default(), resource: p.resource.clone(), namespace: p.namespace.clone(), name: p.name.clone() }
+    }
+}
+
+impl From<&ParentRef> for k8s_openapi::api::networking::v1::ParentReference {
+    /// The parentRef an IPAddress object carries (the core group as no group).
+    fn from(p: &ParentRef) -> Self {
+        Self { group: Some(p.group.clone()).filter(|g| !g.is_empty()), resource: p.resource.clone(), namespace: p.namespace.clone(), name: p.name.clone() }
     }
 }
 
@@ -213,7 +246,8 @@ impl StoreError {
 /// duplicate.
 #[async_trait]
 pub trait AllocationStore: Send + Sync {
-    /// Backend name for logs and metrics ("etcd", "ipaddress").
+    /// Backend name for logs and metrics: [`BackendKind::as_str`] of the backend ("memory"
+    /// for the unit tests' store).
     fn backend(&self) -> &'static str;
 
     /// The ranges addresses come from, in configuration order.
@@ -319,4 +353,20 @@ pub struct RangeUsage {
     pub free: u64,
     /// Free addresses held ahead of need in controller replicas' address pools (etcd backend).
     pub pooled: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BackendKind;
+    use clap::ValueEnum as _;
+
+    #[test]
+    fn a_backend_is_named_as_the_backend_flag_spells_it() {
+        for kind in BackendKind::value_variants() {
+            let flag = kind.to_possible_value().expect("a --backend value");
+            assert_eq!(flag.get_name(), kind.as_str());
+            assert_eq!(kind.to_string(), kind.as_str());
+        }
+        assert_eq!([BackendKind::Etcd.as_str(), BackendKind::Ipaddress.as_str()], ["etcd", "ipaddress"]);
+    }
 }

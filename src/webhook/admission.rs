@@ -34,16 +34,12 @@ use tracing::{debug, warn};
 
 use crate::alloc::AllocError;
 use crate::cidr::Family;
+use crate::k8s::service;
 use crate::store::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::clusterips::{self, Decision, FieldError, Plan, Want};
 use crate::sync::lock;
-
-/// Annotation that earlier versions put on every Service they assigned addresses to. It is
-/// user-settable, so admission never reads it; the repair pass still reads it on old
-/// Services for one narrow case (see docs/repair.md).
-pub const RESERVED_ANNOTATION: &str = "clusterip.allocator/reserved";
 
 /// Dynamic candidates skipped because the cluster already records them, per request.
 const MAX_SKIPPED: usize = 64;
@@ -163,14 +159,9 @@ fn static_failure(req: &AdmissionRequest<Service>, requested: &[String], ip: IpA
     invalid(req, &[FieldError::invalid("spec.clusterIPs", &clusterips::strings_value(requested), format!("failed to allocate IP {ip}: {err}"))])
 }
 
+/// The addresses a request's Service asks for, as written.
 fn requested_ips(svc: &Service) -> Vec<String> {
-    let spec = svc.spec.as_ref();
-    let ips = spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
-    if ips.is_empty() {
-        spec.and_then(|s| s.cluster_ip.clone()).filter(|s| !s.is_empty()).into_iter().collect()
-    } else {
-        ips
-    }
+    svc.spec.as_ref().map(service::cluster_ips).unwrap_or_default()
 }
 
 /// The addresses the stored Service holds (an UPDATE's `oldObject`, which comes from
@@ -180,15 +171,15 @@ fn held_before(req: &AdmissionRequest<Service>) -> Vec<IpAddr> {
         return Vec::new();
     }
     let Some(old) = req.old_object.as_ref() else { return Vec::new() };
-    if old.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
+    if old.spec.as_ref().is_some_and(service::is_external_name) {
         return Vec::new();
     }
-    requested_ips(old).iter().filter_map(|t| crate::cidr::parse_ip(t).ok()).collect()
+    service::held_ips(old).iter().filter_map(|t| crate::cidr::parse_ip(t).ok()).collect()
 }
 
 /// Whether an UPDATE's stored object is headless (`clusterIP: None`).
 fn was_headless(req: &AdmissionRequest<Service>) -> bool {
-    req.old_object.as_ref().and_then(|o| o.spec.as_ref()).and_then(|s| s.cluster_ip.as_deref()) == Some("None")
+    req.old_object.as_ref().and_then(|o| o.spec.as_ref()).is_some_and(service::is_headless)
 }
 
 /// What a request asks of us: the plan for its Service, and which of the plan's addresses
@@ -587,7 +578,7 @@ mod tests {
         let ip: IpAddr = "198.19.0.7".parse().expect("ip");
         // The annotation earlier versions trusted, naming the requested address: the
         // address is still reserved (and so never handed out to anyone else).
-        let svc = service(json!({"clusterIP": "198.19.0.7", "ports": [{"port": 80}]}), json!({RESERVED_ANNOTATION: "198.19.0.7"}));
+        let svc = service(json!({"clusterIP": "198.19.0.7", "ports": [{"port": 80}]}), json!({crate::k8s::annotations::RESERVED: "198.19.0.7"}));
         let resp = adm.mutate(&request("CREATE", svc.clone(), None)).await;
         assert!(resp.allowed, "{:?}", resp.result);
         assert!(store.has(ip).await.expect("has"), "the requested address was not reserved");

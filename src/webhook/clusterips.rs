@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::ServiceSpec;
 
 use crate::cidr::{self, Family};
+use crate::k8s::service;
 
 pub const SINGLE_STACK: &str = "SingleStack";
 pub const PREFER_DUAL_STACK: &str = "PreferDualStack";
@@ -108,35 +109,20 @@ pub fn invalid_ip_reason(text: &str) -> Option<&'static str> {
     Some(if sloppy { "must not have leading 0s" } else { NOT_AN_IP })
 }
 
-fn family_name(f: Family) -> &'static str {
-    match f {
-        Family::IPv4 => "IPv4",
-        Family::IPv6 => "IPv6",
-    }
-}
-
-fn parse_family(s: &str) -> Option<Family> {
-    match s {
-        "IPv4" => Some(Family::IPv4),
-        "IPv6" => Some(Family::IPv6),
-        _ => None,
-    }
-}
-
 /// Decide what `spec` needs on a cluster whose configured families are `cluster` (in order;
 /// the first is the default family). Every problem found is returned, not only the first.
 pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<FieldError>> {
-    if spec.type_.as_deref() == Some("ExternalName") {
+    if service::is_external_name(spec) {
         return Ok(Decision::NoAddress);
     }
     // Kubernetes' own validation first (`ValidateServiceClusterIPsRelatedFields`, in its
     // order); its errors end the request before any allocation rule is looked at.
     let mut errs = Vec::new();
-    let mut ips: Vec<String> = spec.cluster_ips.clone().unwrap_or_default();
-    let single = spec.cluster_ip.clone().filter(|s| !s.is_empty());
-    match (&single, ips.first()) {
-        // The apiserver fills clusterIPs from clusterIP before it looks at either.
-        (Some(ip), None) => ips = vec![ip.clone()],
+    // The apiserver fills clusterIPs from clusterIP before it looks at either.
+    let ips = service::cluster_ips(spec);
+    let given = spec.cluster_ips.as_deref().unwrap_or_default();
+    let single = spec.cluster_ip.as_deref().filter(|s| !s.is_empty());
+    match (single, given.first()) {
         (Some(ip), Some(first)) if ip != first => errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "first value must match `clusterIP`")),
         (None, Some(_)) => errs.push(FieldError::invalid("spec.clusterIPs", &strings_value(&ips), "must be empty when `clusterIP` is not specified")),
         _ => {}
@@ -144,8 +130,8 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
     let mut families: Vec<Family> = Vec::new();
     let requested_families = spec.ip_families.clone().unwrap_or_default();
     for (i, f) in requested_families.iter().enumerate() {
-        match parse_family(f) {
-            None => errs.push(FieldError::not_supported(format!("spec.ipFamilies[{i}]"), f, &["IPv4", "IPv6"])),
+        match Family::parse(f) {
+            None => errs.push(FieldError::not_supported(format!("spec.ipFamilies[{i}]"), f, &Family::ALL.map(|f| f.as_str()))),
             Some(fam) if families.contains(&fam) => errs.push(FieldError::duplicate(format!("spec.ipFamilies[{i}]"), f)),
             Some(fam) => families.push(fam),
         }
@@ -160,7 +146,7 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
             SINGLE_STACK
         }
     };
-    let headless = ips.first().map(String::as_str) == Some("None");
+    let headless = ips.first().map(String::as_str) == Some(service::HEADLESS);
     let mut bad_ips = false;
     let mut parsed: Vec<IpAddr> = Vec::new();
     for (i, text) in ips.iter().enumerate() {
@@ -190,11 +176,11 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
     }
     if !headless {
         for (i, (text, ip)) in ips.iter().zip(&parsed).enumerate() {
-            match requested_families.get(i).map(String::as_str).and_then(parse_family) {
+            match requested_families.get(i).map(String::as_str).and_then(Family::parse) {
                 Some(want) if want != Family::of(*ip) => errs.push(FieldError::invalid(
                     format!("spec.clusterIPs[{i}]"),
                     &serde_json::Value::from(text.as_str()),
-                    format!("expected an {} value as indicated by `ipFamilies[{i}]`", family_name(want)),
+                    format!("expected an {want} value as indicated by `ipFamilies[{i}]`"),
                 )),
                 _ => {}
             }
@@ -231,7 +217,7 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
     }
     for (i, f) in families.iter().enumerate() {
         if !cluster.contains(f) {
-            errs.push(FieldError::invalid(format!("spec.ipFamilies[{i}]"), &serde_json::Value::from(family_name(*f)), "not configured on this cluster"));
+            errs.push(FieldError::invalid(format!("spec.ipFamilies[{i}]"), &serde_json::Value::from(f.as_str()), "not configured on this cluster"));
         }
     }
     let dual_cluster = cluster.contains(&Family::IPv4) && cluster.contains(&Family::IPv6);
@@ -239,8 +225,7 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
         errs.push(FieldError::invalid("spec.ipFamilyPolicy", &policy_value, "this cluster is not configured for dual-stack services"));
     }
     if policy != SINGLE_STACK && dual_cluster && families.len() == 1 {
-        let other = if families[0] == Family::IPv4 { Family::IPv6 } else { Family::IPv4 };
-        families.push(other);
+        families.push(families[0].other());
     }
     if !errs.is_empty() {
         return Err(errs);
@@ -255,7 +240,7 @@ pub fn plan(spec: &ServiceSpec, cluster: &[Family]) -> Result<Decision, Vec<Fiel
 
 /// The `ipFamilies` strings of a plan.
 pub fn family_names(families: &[Family]) -> Vec<String> {
-    families.iter().map(|f| family_name(*f).to_string()).collect()
+    families.iter().map(|f| f.as_str().to_string()).collect()
 }
 
 #[cfg(test)]

@@ -74,10 +74,10 @@ pub struct EtcdArgs {
     #[arg(long = "etcd-password", env = "CLUSTERIP_ETCD_PASSWORD", hide_env_values = true)]
     pub password: Option<String>,
     /// Time allowed to connect to etcd, e.g. 5s.
-    #[arg(long = "etcd-dial-timeout", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long = "etcd-dial-timeout", default_value = "5s", value_parser = crate::units::parse_duration)]
     pub dial_timeout: Duration,
     /// Time allowed for one etcd request, e.g. 5s.
-    #[arg(long = "etcd-request-timeout", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long = "etcd-request-timeout", default_value = "5s", value_parser = crate::units::parse_duration)]
     pub request_timeout: Duration,
     /// Most allocations made durable in one etcd transaction (group commit); 1 = one
     /// compare-and-swap per allocation.
@@ -110,24 +110,6 @@ fn parse_batch(s: &str) -> Result<usize, String> {
     }
 }
 
-/// Parse `500ms`, `5s`, `3m`, `1h` (a bare number is seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("invalid duration {s:?}: expected a number with a unit, e.g. 500ms, 5s, 3m"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("invalid duration {s:?}: unit must be ms, s, m or h")),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("invalid duration {s:?}: must be a non-negative time"));
-    }
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("invalid duration {s:?}: too long"))
-}
 
 /// Connect to etcd with the configured TLS, auth and timeouts.
 pub async fn connect(cfg: &EtcdConfig) -> Result<Client, StoreError> {

@@ -544,7 +544,7 @@ async fn lifecycle_cases(backend: &str, slice: Slice) {
     // A create right after a delete, refused only for the stock race `stock_repair_holds`
     // describes (then stock refuses it too): the test waits that out and creates again.
     let create_after_delete = |name: &'static str, previous: &'static str, what: String| {
-        let (create, client, ns) = (create.clone(), wh.client.clone(), wh.namespace.clone());
+        let (create, client, ns) = (create, wh.client.clone(), wh.namespace.clone());
         async move {
             match create(with_ip(name, c)).await {
                 Ok(svc) => svc,

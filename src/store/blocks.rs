@@ -65,10 +65,7 @@ use async_trait::async_trait;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::networking::v1::IPAddress;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use futures::StreamExt;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::Client;
 use rand::Rng;
 use tracing::{debug, info, warn};
@@ -77,6 +74,7 @@ use crate::alloc::AllocError;
 use crate::cidr::{Family, ServiceCidr};
 
 use super::apiserver_ips::ApiserverIps;
+use super::fold::Change;
 use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
 use crate::sync::lock;
 
@@ -322,19 +320,11 @@ pub struct BlockStore {
     /// One hand-over at a time.
     handing: tokio::sync::Mutex<()>,
     me: Weak<BlockStore>,
-    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The background task (renew, observe, answer hand-over requests); aborted on drop.
+    tasks: Mutex<tokio::task::JoinSet<()>>,
     /// The runtime [`BlockStore::open`] ran on: background work goes there.
     runtime: tokio::runtime::Handle,
 }
-
-impl Drop for BlockStore {
-    fn drop(&mut self) {
-        if let Some(t) = lock(&self.task).take() {
-            t.abort();
-        }
-    }
-}
-
 
 fn api_err(what: &str, e: kube::Error) -> StoreError {
     match e {
@@ -390,15 +380,15 @@ impl BlockStore {
             acquiring,
             handing: tokio::sync::Mutex::new(()),
             me: weak.clone(),
-            task: Mutex::new(None),
+            tasks: Mutex::default(),
             runtime: tokio::runtime::Handle::current(),
         });
         me.observe().await?;
         if let Some(every) = options.renew_every {
             let (weak, leases) = (Arc::downgrade(&me), me.leases.clone());
-            *lock(&me.task) = Some(tokio::spawn(async move {
-                tokio::join!(tick_forever(weak.clone(), every), answer_requests(weak, leases));
-            }));
+            let mut tasks = lock(&me.tasks);
+            tasks.spawn(tick_forever(weak.clone(), every));
+            tasks.spawn(answer_requests(weak, leases));
         }
         // One block per range up front, so the first admissions do not wait for one.
         for range in 0..me.ranges.cidrs().len() {
@@ -711,7 +701,7 @@ impl BlockStore {
         let listed: HashSet<IpAddr> = listed
             .items
             .iter()
-            .filter_map(|o| crate::cidr::parse_ip(o.metadata.name.as_deref()?).ok())
+            .filter_map(|o| crate::k8s::ipaddress::address(o.metadata.name.as_deref()?))
             .filter(|ip| cidr.offset_of(*ip).is_some_and(|off| off >= span.first && off < span.end))
             .collect();
         debug!(block = %name, recorded = listed.len(), "address block taken");
@@ -1067,24 +1057,24 @@ fn free_block(busy: &HashSet<u64>, dynamic: u64, total: u64) -> Option<u64> {
     pick(0, dynamic).or_else(|| pick(dynamic, total))
 }
 
-/// Answer hand-over requests as soon as the watch of the block Leases shows them (the
+/// Answer hand-over requests as soon as the watch of the namespace's Leases shows them (the
 /// tick answers them too, at its pace).
 async fn answer_requests(weak: Weak<BlockStore>, leases: Api<Lease>) {
-    let mut stream = watcher::watcher(leases, watcher::Config::default().labels(BLOCK_LABEL)).default_backoff().boxed();
-    while let Some(ev) = stream.next().await {
-        let lease = match ev {
-            Ok(Event::Apply(lease) | Event::InitApply(lease)) => lease,
-            Ok(_) => continue,
-            Err(e) => {
-                debug!(error = %e, "address block Lease watch failed; retrying");
-                continue;
-            }
+    super::fold::fold(leases, "address block Lease", Lease::clone, move |change| {
+        let leases = match change {
+            Change::Replace(all) => all,
+            Change::Apply(lease) => vec![lease],
+            Change::Delete(_) => return,
         };
         let Some(me) = weak.upgrade() else { return };
-        if me.asks_us(&lock(&me.state), &lease) {
-            tokio::spawn(async move { me.answer_request(lease).await });
+        for lease in leases {
+            if me.asks_us(&lock(&me.state), &lease) {
+                let me = me.clone();
+                tokio::spawn(async move { me.answer_request(lease).await });
+            }
         }
-    }
+    })
+    .await
 }
 
 async fn tick_forever(weak: Weak<BlockStore>, every: Duration) {
@@ -1104,7 +1094,7 @@ async fn tick_forever(weak: Weak<BlockStore>, every: Duration) {
 #[async_trait]
 impl AllocationStore for BlockStore {
     fn backend(&self) -> &'static str {
-        "ipaddress"
+        super::BackendKind::Ipaddress.as_str()
     }
 
     fn ranges(&self) -> Vec<ServiceCidr> {
@@ -1228,9 +1218,7 @@ impl AllocationStore for BlockStore {
     /// Give back every block with no pick pending (the others expire after the lease
     /// duration, once their answers are stored or failed).
     async fn close(&self) -> Result<(), StoreError> {
-        if let Some(t) = lock(&self.task).take() {
-            t.abort();
-        }
+        lock(&self.tasks).abort_all();
         let chosen: Vec<(String, Lease)> = {
             let mut st = lock(&self.state);
             let pending: Vec<IpAddr> = st.pending.keys().copied().collect();

@@ -565,7 +565,13 @@ impl BlockStore {
                 Ok(_) => debug!(block = %name, "asked the holder of an address block to hand one over"),
                 // Gone or changed: looked at again below.
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-                Err(e) => return Err(api_err(&format!("asking for address block {name}"), e)),
+                // (E.g. no patch permission: deploy/rbac.yaml before the hand-over.) The
+                // range stays as full to this replica as it was without asking.
+                Err(e) => {
+                    warn!(block = %name, error = %e, "could not ask for an address block to be handed over");
+                    lock(&self.state).unanswered.insert(range, Instant::now());
+                    return Ok(false);
+                }
             }
         }
         let deadline = Instant::now() + HANDOVER_WAIT;

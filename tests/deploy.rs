@@ -245,10 +245,11 @@ fn deploy_tree_passes_a_server_side_dry_run() {
         "controller ClusterRole"
     );
     let lease_role = find(&items, "Role", NS, "clusterip-controller-leases");
-    // Leader election and (ipaddress backend) address block Leases, renewed by update.
+    // Leader election and (ipaddress backend) address block Leases, renewed by update;
+    // watched for hand-over requests, which are written by patch.
     assert_eq!(
         grants(lease_role),
-        expect_grants(&[("coordination.k8s.io", "leases", &["get", "list", "create", "delete", "update"])]),
+        expect_grants(&[("coordination.k8s.io", "leases", &["get", "list", "watch", "create", "delete", "update", "patch"])]),
         "lease Role"
     );
     for binding in [find(&items, "ClusterRoleBinding", "", "clusterip-controller"), find(&items, "RoleBinding", NS, "clusterip-controller-leases")] {

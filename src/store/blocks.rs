@@ -158,6 +158,15 @@ pub struct BlockSpan {
     pub end: u64,
 }
 
+/// A replica takes another block of a range, ahead of need, once its usable blocks of the
+/// range have fewer free addresses than this many whole blocks. Taking a block costs a
+/// Lease write and two consistent lists, which the kube-apiserver answers slowly while a
+/// burst of creates saturates it: with one block's worth of lead a 500-create burst
+/// (`scripts/bench-webhook.sh`) used the block up before the next one was taken, and
+/// admissions waited for it (mutate p99 3.2 and 257 ms against 0.8 ms); two give the
+/// acquisition the time of a whole block's picks more.
+const LEAD_BLOCKS: u64 = 2;
+
 /// Fewer blocks than this in a range: warned about at start (see [`BlockStore::open`]).
 const FEW_BLOCKS: u64 = 4;
 
@@ -419,9 +428,9 @@ impl BlockStore {
     }
 
     /// Pick a free address of range `range` from a usable block, in memory. Returns the
-    /// address and whether the replica runs low: less than a whole block's worth left in its
-    /// usable blocks of the range, so the next block is taken while this one still answers
-    /// (a burst of one block's size never waits for a Lease and a consistent list).
+    /// address and whether the replica runs low: less than [`LEAD_BLOCKS`] whole blocks' worth
+    /// left in its usable blocks of the range, so the next block is taken while these still
+    /// answer (a burst never waits for a Lease and two consistent lists).
     fn pick(&self, range: usize, parent: Option<&ParentRef>) -> (Option<IpAddr>, bool) {
         let now = Instant::now();
         let cidr = &self.ranges.cidrs()[range];
@@ -454,7 +463,7 @@ impl BlockStore {
             h.last_pick = now;
             st.pending.insert(ip, Pending { parent: parent.cloned() });
         }
-        let low = !self.has_free(&recorded, &st, range, now, None, self.sizes[range]);
+        let low = !self.has_free(&recorded, &st, range, now, None, LEAD_BLOCKS * self.sizes[range]);
         (chosen.map(|c| c.2), low)
     }
 
@@ -962,8 +971,9 @@ impl BlockStore {
     }
 
     /// Give back blocks nothing was picked from for a lease duration, with no pick pending,
-    /// while the other usable blocks of the same range still have a whole block's worth free
-    /// (so giving one back never makes the replica run low and take another at once).
+    /// while the other usable blocks of the same range still have [`LEAD_BLOCKS`] whole
+    /// blocks' worth free (so giving one back never makes the replica run low and take
+    /// another at once).
     async fn give_back_idle(&self) -> Vec<String> {
         let now = Instant::now();
         let chosen: Vec<(String, Lease)> = {
@@ -978,7 +988,7 @@ impl BlockStore {
                         && self.usable(h, now)
                         && now.saturating_duration_since(h.last_pick) >= self.options.lease_duration
                         && !st.pending.keys().any(|ip| in_block(ip, h))
-                        && self.has_free(&recorded, &st, range, now, Some(&h.name), self.sizes[range])
+                        && self.has_free(&recorded, &st, range, now, Some(&h.name), LEAD_BLOCKS * self.sizes[range])
                 });
                 drop(recorded);
                 if let Some(i) = idle {

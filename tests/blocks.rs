@@ -156,6 +156,21 @@ async fn drain(r: &BlockStore, parent: &ParentRef) -> Vec<IpAddr> {
     }
 }
 
+/// B's first answer: it ticks (renew, observe, take over) and asks every 500 ms, for up to
+/// 180 s; until it answers, every refusal must be "range is full".
+async fn first_answer(b: &BlockStore, parent: &ParentRef, what: &str) -> IpAddr {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        b.tick().await;
+        match b.allocate_next(Family::IPv4, Some(parent)).await {
+            Ok(ip) => return ip,
+            Err(e) => assert!(is_full(&Err::<(), _>(e)), "B failed otherwise"),
+        }
+        assert!(Instant::now() < deadline, "B did not {what} within 180s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Replica A holds the block, answers X, and the apiserver stores X; A then crashes (no
 /// renewal, no give-back). Replica B's watch lags: its view never shows X. B answers
 /// nothing from A's block until it has watched A's Lease unchanged for the lease duration;
@@ -179,16 +194,7 @@ async fn a_crashed_holders_block_is_taken_over_late_and_its_answers_are_seen_thr
     // B answers nothing from a block another replica may still answer from.
     let r = b.allocate_next(Family::IPv4, Some(&fx.parent("early"))).await;
     assert!(is_full(&r), "B answered {r:?} from A's block before it could know A was gone");
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let first = loop {
-        b.tick().await;
-        match b.allocate_next(Family::IPv4, Some(&fx.parent("second"))).await {
-            Ok(ip) => break ip,
-            Err(e) => assert!(is_full(&Err::<(), _>(e)), "B failed otherwise"),
-        }
-        assert!(Instant::now() < deadline, "B did not take the block over within 180s");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let first = first_answer(&b, &fx.parent("second"), "take the block over").await;
     assert!(b_opened.elapsed() >= D, "B took the block over {:?} after it first saw A's Lease, before the lease duration {D:?}", b_opened.elapsed());
     assert!(fx.holder().await.is_some_and(|h| h.starts_with("replica-b/")), "the block Lease names B");
     let mut picked = vec![first];
@@ -392,16 +398,7 @@ async fn replicas_with_different_block_sizes_never_share_an_address() {
     fx.store_service("a", x).await;
     drop(a); // a crash: A's Lease stays, unrenewed
 
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let first = loop {
-        b.tick().await;
-        match b.allocate_next(Family::IPv4, Some(&fx.parent("b-0"))).await {
-            Ok(ip) => break ip,
-            Err(e) => assert!(is_full(&Err::<(), _>(e)), "B failed otherwise"),
-        }
-        assert!(Instant::now() < deadline, "B did not take the range within 180s");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let first = first_answer(&b, &fx.parent("b-0"), "take the range").await;
     assert!(b_opened.elapsed() >= D, "B took addresses of A's block {:?} after it first saw A's Lease, before the lease duration {D:?}", b_opened.elapsed());
     assert_eq!(b.held_blocks(), vec![fx.block()], "B holds its one 16-address block");
     let names: Vec<String> = fx.block_leases().await.into_iter().filter_map(|l| l.metadata.name).collect();

@@ -22,6 +22,7 @@ use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::apiserver_ips::ApiserverIps;
 use clusterip::store::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
+use clusterip_test_support::poll::eventually;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Service};
@@ -327,11 +328,7 @@ async fn a_replica_whose_blocks_are_used_up_gets_one_handed_over_by_a_holder_wit
     // A answers once (pending: the test never stores it) and, running low, takes a second
     // block ahead of need; one block is left free.
     let x = a.allocate_next(Family::IPv4, Some(&fx.parent("a"))).await.expect("A answers");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while a.held_blocks().len() < 2 {
-        assert!(Instant::now() < deadline, "A did not take a second block ahead of need within 60s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("A takes a second block ahead of need", Duration::from_secs(60), || async { a.held_blocks().len() >= 2 }).await;
     let with_x = a.held_blocks().into_iter().find(|n| fx.span_of(n, 4).contains(&x)).expect("A holds the block of its answer");
 
     // A answers requests at its ticks while B answers everything it can.

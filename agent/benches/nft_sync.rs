@@ -426,7 +426,7 @@ fn run_ours(o: &Opts, rt: &tokio::runtime::Runtime, client: &kube::Client, n: us
         .collect();
     let (mut cmd, exe) = proxy_command(o, &o.agent, &args, &o.agent);
     cmd.env("NO_COLOR", "1").env("RUST_LOG", "info");
-    let mut p = Proc::spawn((cmd, exe), Some(std::env::temp_dir().join(format!("clusterip-bench-ours-{n}.log"))));
+    let mut p = Proc::spawn((cmd, exe), Some(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("clusterip-bench-ours-{n}.log"))));
     let mut m = Measure::default();
     let services = n + 1; // + default/kubernetes
     m.full_s = p.wait_line(o.timeout, |l| {
@@ -480,7 +480,7 @@ fn run_kube_proxy(o: &Opts, kp: &str, rt: &tokio::runtime::Runtime, client: &kub
         .chain(["--oom-score-adj=0".to_string()])
         .collect();
     let p = proxy_command(o, "ip", &args, kp);
-    let mut p = Proc::spawn(p, Some(std::env::temp_dir().join(format!("clusterip-bench-kube-proxy-{n}.log"))));
+    let mut p = Proc::spawn(p, Some(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("clusterip-bench-kube-proxy-{n}.log"))));
     let mut m = Measure::default();
     let complete = |l: &str| -> Option<f64> {
         if l.contains("SyncProxyRules complete") && l.contains("ipFamily=\"IPv4\"") {

@@ -158,6 +158,18 @@ pub struct BlockSpan {
     pub end: u64,
 }
 
+impl BlockSpan {
+    /// Whether `ip` is one of the span's addresses of range `cidr`.
+    pub fn covers(&self, cidr: &ServiceCidr, ip: IpAddr) -> bool {
+        cidr.offset_of(ip).is_some_and(|o| o >= self.first && o < self.end)
+    }
+
+    /// How many of the span's addresses of range `cidr` are not `taken`.
+    fn free(&self, cidr: &ServiceCidr, taken: impl Fn(IpAddr) -> bool) -> usize {
+        (self.first..self.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !taken(ip))).count()
+    }
+}
+
 /// A replica takes another block of a range, ahead of need, once its usable blocks of the
 /// range have fewer free addresses than this many whole blocks. Taking a block costs a
 /// Lease write and two consistent lists, which the kube-apiserver answers slowly while a
@@ -290,13 +302,10 @@ struct Observed {
     range: usize,
     /// The addresses its Lease names ([`lease_span`]; by index at our size if it names none).
     span: BlockSpan,
-    /// The resourceVersion last seen: a takeover's precondition.
-    resource_version: String,
-    /// The holder and renewTime last seen: only the holder's renewals change it (a
-    /// hand-over request written by another replica does not).
-    renewal: (Option<String>, Option<MicroTime>),
-    /// When this replica first saw that renewal (its own monotonic clock).
+    /// When this replica first saw the Lease's current renewal ([`renewal_of`]), on its own
+    /// monotonic clock.
     since: Instant,
+    /// The Lease as last seen (its resourceVersion is a takeover's precondition).
     lease: Lease,
 }
 
@@ -558,11 +567,7 @@ impl BlockStore {
             st.observed
                 .iter()
                 .filter(|(_, o)| o.range == range && !expired(o.since, now, self.options.lease_duration))
-                .map(|(name, o)| {
-                    let free = (o.span.first..o.span.end).filter(|off| cidr.ip_at(*off).is_some_and(|ip| !recorded.contains(&ip))).count();
-                    let asked = o.lease.metadata.annotations.as_ref().and_then(|a| a.get(WANTED_ANNOTATION)) == Some(&self.holder);
-                    (free, name, asked)
-                })
+                .map(|(name, o)| (o.span.free(cidr, |ip| recorded.contains(&ip)), name, wanted_by(&o.lease) == Some(self.holder.as_str())))
                 .filter(|(free, _, _)| *free > 0)
                 .max_by_key(|(free, _, _)| *free)
                 .map(|(_, name, asked)| (name.clone(), asked))
@@ -644,10 +649,9 @@ impl BlockStore {
     async fn take_over(&self, range: usize, name: &str, old: Observed) -> Result<bool, StoreError> {
         let cidr = &self.ranges.cidrs()[range];
         let mine = self.block_of(name).and_then(|(_, index)| span(cidr, self.sizes[range], index));
-        let previous = old.lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
+        let previous = holder_of(&old.lease).unwrap_or_default().to_string();
         let Some(span) = mine.filter(|s| s.first == old.span.first && s.end == old.span.end) else {
-            let dp = DeleteParams { preconditions: Some(Preconditions { uid: old.lease.metadata.uid.clone(), resource_version: Some(old.resource_version.clone()) }), ..Default::default() };
-            match self.leases.delete(name, &dp).await {
+            match self.leases.delete(name, &unchanged(&old.lease)).await {
                 Ok(_) => info!(block = %name, %previous, "deleted an address block of another size its holder stopped renewing"),
                 Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
                 Err(e) => return Err(api_err(&format!("deleting address block {name}"), e)),
@@ -656,7 +660,7 @@ impl BlockStore {
             return Ok(false);
         };
         let mut lease = self.block_lease(cidr, span);
-        lease.metadata.resource_version = Some(old.resource_version.clone());
+        lease.metadata.resource_version = old.lease.metadata.resource_version.clone();
         let transitions = old.lease.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0);
         if let Some(spec) = lease.spec.as_mut() {
             spec.lease_transitions = Some(transitions.saturating_add(1));
@@ -717,7 +721,7 @@ impl BlockStore {
             .items
             .iter()
             .filter_map(|o| crate::k8s::ipaddress::address(o.metadata.name.as_deref()?))
-            .filter(|ip| cidr.offset_of(*ip).is_some_and(|off| off >= span.first && off < span.end))
+            .filter(|ip| span.covers(cidr, *ip))
             .collect();
         debug!(block = %name, recorded = listed.len(), "address block taken");
         let cursor = span.first + rand::thread_rng().gen_range(0..span.end - span.first);
@@ -732,11 +736,7 @@ impl BlockStore {
     async fn give_back_lease(&self, name: &str, lease: &Lease) -> bool {
         let mut lease = lease.clone();
         for _ in 0..2 {
-            let dp = DeleteParams {
-                preconditions: Some(Preconditions { uid: lease.metadata.uid.clone(), resource_version: lease.metadata.resource_version.clone() }),
-                ..Default::default()
-            };
-            match self.leases.delete(name, &dp).await {
+            match self.leases.delete(name, &unchanged(&lease)).await {
                 Ok(_) => return true,
                 Err(kube::Error::Api(s)) if s.code == 404 => return true,
                 Err(kube::Error::Api(s)) if s.code == 409 => match self.leases.get_opt(name).await {
@@ -768,10 +768,11 @@ impl BlockStore {
         let mut requests = Vec::new();
         for lease in list.items {
             let Some(name) = lease.metadata.name.clone() else { continue };
-            let Some(rv) = lease.metadata.resource_version.clone() else { continue };
+            if lease.metadata.resource_version.is_none() {
+                continue;
+            }
             let Some((range, index)) = self.block_of(&name) else { continue };
-            let holder = holder_of(&lease).map(str::to_string);
-            if holder.as_deref() == Some(self.holder.as_str()) {
+            if holder_of(&lease) == Some(self.holder.as_str()) {
                 if self.asks_us(&st, &lease) {
                     requests.push(lease);
                 }
@@ -784,15 +785,13 @@ impl BlockStore {
                 continue;
             };
             seen.insert(name.clone());
-            let renewal = (holder, lease.spec.as_ref().and_then(|s| s.renew_time.clone()));
             match st.observed.get_mut(&name) {
-                Some(o) if o.renewal == renewal => {
-                    o.resource_version = rv;
+                Some(o) if renewal_of(&o.lease) == renewal_of(&lease) => {
                     o.span = span;
                     o.lease = lease;
                 }
                 _ => {
-                    st.observed.insert(name, Observed { range, span, resource_version: rv, renewal, since: now, lease });
+                    st.observed.insert(name, Observed { range, span, since: now, lease });
                 }
             }
         }
@@ -863,13 +862,14 @@ impl BlockStore {
             let chosen = {
                 let recorded = self.recorded.view();
                 let st = &*st;
-                let free = |h: &Held| (h.span.first..h.span.end).filter(|o| cidr.ip_at(*o).is_some_and(|ip| !taken(&recorded, st, ip))).count();
-                // (A pick the view shows recorded is no longer in flight, settled at the next tick or not.)
-                let pending_in = |h: &Held| st.pending.keys().any(|ip| !recorded.contains(ip) && cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end));
-                let with_room: Vec<(usize, usize)> = (0..st.held.len()).filter(|&i| st.held[i].range == range && self.usable(&st.held[i], now)).map(|i| (i, free(&st.held[i]))).filter(|(_, f)| *f > 0).collect();
+                let with_room: Vec<(usize, usize)> = (0..st.held.len())
+                    .filter(|&i| st.held[i].range == range && self.usable(&st.held[i], now))
+                    .map(|i| (i, st.held[i].span.free(cidr, |ip| taken(&recorded, st, ip))))
+                    .filter(|(_, f)| *f > 0)
+                    .collect();
                 with_room
                     .iter()
-                    .filter(|(i, _)| !pending_in(&st.held[*i]))
+                    .filter(|(i, _)| !in_flight(&recorded, st, cidr, &st.held[*i].span))
                     .filter(|(i, _)| with_room.len() > 1 || now.saturating_duration_since(st.held[*i].last_pick) >= HANDOVER_IDLE)
                     .max_by_key(|(_, f)| *f)
                     .map(|(i, _)| *i)
@@ -981,13 +981,12 @@ impl BlockStore {
             let mut out = Vec::new();
             for range in 0..self.ranges.cidrs().len() {
                 let cidr = &self.ranges.cidrs()[range];
-                let in_block = |ip: &IpAddr, h: &Held| cidr.offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end);
                 let recorded = self.recorded.view();
                 let idle = st.held.iter().position(|h| {
                     h.range == range
                         && self.usable(h, now)
                         && now.saturating_duration_since(h.last_pick) >= self.options.lease_duration
-                        && !st.pending.keys().any(|ip| in_block(ip, h))
+                        && !in_flight(&recorded, &st, cidr, &h.span)
                         && self.has_free(&recorded, &st, range, now, Some(&h.name), LEAD_BLOCKS * self.sizes[range])
                 });
                 drop(recorded);
@@ -1016,6 +1015,24 @@ impl BlockStore {
 /// The holderIdentity of a Lease.
 fn holder_of(lease: &Lease) -> Option<&str> {
     lease.spec.as_ref()?.holder_identity.as_deref()
+}
+
+/// A delete of `lease` only as it is: its uid and resourceVersion as preconditions.
+fn unchanged(lease: &Lease) -> DeleteParams {
+    DeleteParams { preconditions: Some(Preconditions { uid: lease.metadata.uid.clone(), resource_version: lease.metadata.resource_version.clone() }), ..Default::default() }
+}
+
+/// What only the holder's renewals change: its identity and the renewTime it writes (a
+/// hand-over request written by another replica changes neither).
+fn renewal_of(lease: &Lease) -> (Option<&str>, Option<&MicroTime>) {
+    (holder_of(lease), lease.spec.as_ref().and_then(|s| s.renew_time.as_ref()))
+}
+
+/// Whether an address of `span` was picked here and is still in flight: pending, and not
+/// yet shown recorded by the view (a recorded one is stored, whether or not the next tick
+/// has settled it yet).
+fn in_flight(recorded: &HashSet<IpAddr>, st: &State, cidr: &ServiceCidr, span: &BlockSpan) -> bool {
+    st.pending.keys().any(|ip| !recorded.contains(ip) && span.covers(cidr, *ip))
 }
 
 /// Who asks for a block through `lease` (see [`WANTED_ANNOTATION`]).
@@ -1242,7 +1259,7 @@ impl AllocationStore for BlockStore {
             let mut out = Vec::new();
             for h in st.held.iter_mut() {
                 h.returning = true;
-                let busy = pending.iter().any(|ip| cidrs[h.range].offset_of(*ip).is_some_and(|o| o >= h.span.first && o < h.span.end));
+                let busy = pending.iter().any(|ip| h.span.covers(&cidrs[h.range], *ip));
                 if !busy {
                     out.push((h.name.clone(), h.lease.clone()));
                 }

@@ -865,7 +865,7 @@ async fn ipaddress_backend_two_replicas_share_a_small_range_to_its_last_address(
 /// reached the resumed replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_paused_replica_never_hands_out_a_pooled_address_it_lost() {
-    use clusterip::store::etcd_pool::decode_pool;
+    use clusterip::store::etcd_pool::{decode_pool, pool_member};
     use std::collections::BTreeMap;
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
@@ -880,15 +880,18 @@ async fn etcd_backend_paused_replica_never_hands_out_a_pooled_address_it_lost() 
     let api = wh.services();
     let etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("connect to etcd");
     let prefix = format!("/clusterip-test/{}/", wh.name);
+    // Each replica's pooled addresses, by its member name (its pool keys are
+    // `<range key>/pool/<member>/<chunk>`).
     let pools = || {
         let (mut etcd, prefix) = (etcd.clone(), prefix.clone());
         async move {
             let resp = etcd.get(prefix.as_str(), Some(etcd_client::GetOptions::new().with_prefix())).await.expect("read the controller's keys");
-            resp.kvs()
-                .iter()
-                .filter(|kv| kv.key_str().is_ok_and(|k| k.contains("/pool/")))
-                .map(|kv| (kv.key_str().unwrap_or_default().to_string(), decode_pool(kv.value())))
-                .collect::<BTreeMap<String, BTreeSet<IpAddr>>>()
+            let mut by_member = BTreeMap::<String, BTreeSet<IpAddr>>::new();
+            for kv in resp.kvs() {
+                let Some((_, name)) = kv.key_str().ok().and_then(|k| k.split_once("/pool/")) else { continue };
+                by_member.entry(pool_member(name).to_string()).or_default().extend(decode_pool(kv.value()));
+            }
+            by_member
         }
     };
     // Both replicas pool addresses once they run (a /26's dynamic band of 46 gives each 5).
@@ -904,7 +907,7 @@ async fn etcd_backend_paused_replica_never_hands_out_a_pooled_address_it_lost() 
 
     wh.route_only(&[1]).await;
     wh.children[0].signal(libc::SIGSTOP);
-    // Replica 0's pool key goes with its lease (30 s): the key that disappears is its pool.
+    // Replica 0's pool keys go with its lease (30 s): the member that disappears is replica 0.
     let deadline = Instant::now() + Duration::from_secs(180);
     let lost: BTreeSet<IpAddr> = loop {
         let now = pools().await;

@@ -5,7 +5,7 @@
 
 mod store_common;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +13,8 @@ use std::time::Duration;
 use clusterip::alloc::AllocError;
 use clusterip::cidr::Family;
 use clusterip::repair::{Kind, Repairer, Target};
-use clusterip::store::etcd::{EtcdConfig, EtcdStore};
-use clusterip::store::etcd_pool::{decode_pool, LEASE_TTL};
+use clusterip::store::etcd::{range_key, EtcdConfig, EtcdStore};
+use clusterip::store::etcd_pool::{claim_key, decode_pool, pool_member, pool_prefix, CHUNK, LEASE_TTL};
 use clusterip::store::{AllocationStore, StoreError};
 use clusterip_test_support::eventually;
 use store_common::{Backend, Fixture};
@@ -256,5 +256,112 @@ async fn pools_never_make_a_range_look_full_before_it_is() {
         r => panic!("the holder must find the range full too, got {r:?}"),
     }
     drop((holder, other));
+    cleanup(&fx).await;
+}
+
+/// The pool keys of the fixture's first range, by name below `<range key>/pool/`: (value,
+/// mod revision).
+async fn pool_key_revisions(fx: &Fixture) -> BTreeMap<String, (Vec<u8>, i64)> {
+    let prefix = pool_prefix(&range_key(&fx.prefix, &fx.cidrs[0]));
+    let mut client = etcd_client::Client::connect(fx.cp.etcd_endpoints(), None).await.expect("etcd");
+    let resp = client.get(prefix.clone(), Some(etcd_client::GetOptions::new().with_prefix())).await.expect("get");
+    resp.kvs()
+        .iter()
+        .filter_map(|kv| Some((kv.key_str().ok()?.strip_prefix(&prefix)?.to_string(), (kv.value().to_vec(), kv.mod_revision()))))
+        .collect()
+}
+
+/// Each hand-out makes etcd keep one more revision of what it rewrites until the next
+/// compaction: a key of at most CHUNK addresses, not a list of the whole pool (docs/reliability.md, "Soak").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_out_rewrites_one_small_pool_key() {
+    // /20: dynamic band 3838, so the pool keeps all 200 asked for.
+    let fx = Fixture::new(Backend::Etcd, &["198.18.112.0/20"]).await;
+    let a = open(&fx, 200).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { a.pool_ready() && a.pooled() == vec![200] }).await;
+    let before = pool_key_revisions(&fx).await;
+    let sizes: Vec<usize> = before.values().map(|(v, _)| decode_pool(v).len()).collect();
+    assert_eq!(sizes.iter().sum::<usize>(), 200, "the pool keys list the whole pool: {sizes:?}");
+    assert!(sizes.iter().all(|n| *n <= CHUNK), "no pool key lists more than {CHUNK} addresses: {sizes:?}");
+    let members: BTreeSet<&str> = before.keys().map(|k| pool_member(k)).collect();
+    assert_eq!(members.len(), 1, "one replica's keys: {:?}", before.keys());
+
+    // One hand-out: exactly one key is rewritten (or deleted), the others are untouched.
+    let ip = a.allocate_next(Family::IPv4, None).await.expect("allocate_next");
+    eventually("the key that listed the handed-out address is rewritten", Duration::from_secs(60), || async {
+        !pool_keys(&fx).await.contains(&ip)
+    })
+    .await;
+    let after = pool_key_revisions(&fx).await;
+    let changed: Vec<&String> = before.keys().filter(|k| after.get(*k).map(|(_, rev)| *rev) != Some(before[*k].1)).collect();
+    assert_eq!(changed.len(), 1, "one hand-out rewrote {changed:?}");
+    let rewritten = after.get(changed[0]).map(|(v, _)| v.len()).unwrap_or(0);
+    let whole: usize = before.values().map(|(v, _)| v.len()).sum();
+    assert!(rewritten * 3 < whole, "the rewrite ({rewritten} bytes) is a fraction of the pool's listing ({whole} bytes)");
+    drop(a);
+    cleanup(&fx).await;
+}
+
+/// Replicas of the version before chunked pool keys run beside this one during a rolling
+/// update: their key `<range key>/pool/<member>` is read as that member's pool, and their
+/// claim addressed to one of our keys by name (`<member>/<chunk>`) is answered by us.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pool_keys_and_claims_of_the_version_before_chunks_are_understood() {
+    let fx = Fixture::new(Backend::Etcd, &["198.18.99.0/24"]).await;
+    let key = range_key(&fx.prefix, &fx.cidrs[0]);
+    let mut client = etcd_client::Client::connect(fx.cp.etcd_endpoints(), None).await.expect("etcd");
+
+    // An old replica's pool key, over two addresses recorded in the map.
+    let reader = open(&fx, 0).await;
+    let listed: Vec<IpAddr> = ["198.18.99.200", "198.18.99.201"].iter().map(|s| s.parse().expect("ip")).collect();
+    for ip in &listed {
+        reader.allocate(*ip, None).await.expect("record the address");
+    }
+    let old = "00000000000000ab";
+    let lease = client.lease_grant(60, None).await.expect("lease").id();
+    let body: String = listed.iter().map(|ip| format!("{ip}\n")).collect();
+    client
+        .put(format!("{}{old}", pool_prefix(&key)), body, Some(etcd_client::PutOptions::new().with_lease(lease)))
+        .await
+        .expect("write the old-shape pool key");
+    eventually("the old-shape key's addresses read as pooled (free in reserve)", Duration::from_secs(60), || async {
+        reader.usage().await.map(|u| u[0].pooled == 2 && u[0].used == 0).unwrap_or(false)
+    })
+    .await;
+    assert!(!reader.has(listed[0]).await.expect("has"), "pooled, so not a record");
+    // A static request for one is a claim addressed to that member (which is gone here, so
+    // nobody answers: a retryable error naming it, nothing given).
+    match reader.allocate(listed[0], None).await {
+        Err(e @ StoreError::Unavailable(_)) => assert!(e.to_string().contains(old), "the claim names the old member: {e}"),
+        r => panic!("a static request for an address an unanswering replica pools: expected a retryable error, got {r:?}"),
+    }
+
+    // A claim as the old version addresses it: to our pool key by its name.
+    let a = open(&fx, 16).await;
+    eventually("the pool is filled", Duration::from_secs(60), || async { a.pool_ready() }).await;
+    let ours = pool_key_revisions(&fx).await;
+    let (name, (value, _)) = ours.iter().find(|(k, _)| k.contains('/')).expect("a chunked pool key of ours");
+    let wanted = *decode_pool(value).iter().next().expect("a pooled address");
+    let claim = claim_key(&key, wanted);
+    let claim_lease = client.lease_grant(30, None).await.expect("lease").id();
+    client
+        .put(claim.clone(), format!(r#"{{"owner":"{name}","claimant":"old-replica"}}"#), Some(etcd_client::PutOptions::new().with_lease(claim_lease)))
+        .await
+        .expect("write the claim");
+    eventually("the owner answers the claim addressed by key name", Duration::from_secs(30), || {
+        let (mut client, claim) = (client.clone(), claim.clone());
+        async move {
+            let resp = client.get(claim, None).await.expect("read the claim");
+            resp.kvs().first().is_some_and(|kv| String::from_utf8_lossy(kv.value()).contains(r#""answer":"granted""#))
+        }
+    })
+    .await;
+    let mut handed = HashSet::new();
+    for _ in 0..40 {
+        handed.insert(a.allocate_next(Family::IPv4, None).await.expect("allocate_next"));
+    }
+    assert!(!handed.contains(&wanted), "the owner handed out {wanted}, which it granted to the claim");
+    let _ = client.lease_revoke(lease).await;
+    drop((a, reader));
     cleanup(&fx).await;
 }

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::etcd::{owner_key, range_key, EtcdConfig, EtcdStore};
-use clusterip::store::etcd_pool::{claim_key, decode_pool, pool_prefix};
+use clusterip::store::etcd_pool::{claim_key, decode_pool, pool_member, pool_prefix};
 use clusterip::store::{record_missing, AllocationStore, ParentRef, StoreError};
 use clusterip_test_support::{control_plane, local_get, unique_name, ControlPlane};
 use controller_common::{client_auth_args, controller_args, metric, Controller};
@@ -161,13 +161,14 @@ async fn a_stale_claim_does_not_block_a_pooled_address() {
     };
     let mut it = listed.iter().copied();
     let (answered, misaddressed) = (it.next().expect("an address"), it.next().expect("another"));
-    let member = client.get(pool_prefix(&key), Some(GetOptions::new().with_prefix())).await.expect("get").kvs()[0]
-        .key_str()
-        .expect("utf-8 key")
-        .rsplit('/')
-        .next()
-        .expect("member")
-        .to_string();
+    let member = pool_member(
+        client.get(pool_prefix(&key), Some(GetOptions::new().with_prefix())).await.expect("get").kvs()[0]
+            .key_str()
+            .expect("utf-8 key")
+            .strip_prefix(&pool_prefix(&key))
+            .expect("under the pool prefix"),
+    )
+    .to_string();
     // Left behind without a lease, as a claimant that died before deleting would leave
     // them: one answered already, one addressed to a replica that no longer exists.
     let stale = [

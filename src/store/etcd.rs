@@ -483,8 +483,8 @@ impl AllocationStore for EtcdStore {
             .enumerate()
             .map(|(i, r)| {
                 let v = lock(&r.view);
-                let mut pooled: BTreeSet<IpAddr> = v.pools.iter().filter(|(m, _)| Some(m.as_str()) != member.as_deref()).flat_map(|(_, s)| s.iter().copied()).collect();
-                pooled.extend(self.pool.listing_peek(i));
+                let mut pooled: BTreeSet<IpAddr> = v.pooled_by_others(member.as_deref()).map(|(ip, _)| ip).collect();
+                pooled.extend(self.pool.listing(i));
                 let pooled = pooled.into_iter().filter(|ip| v.map.has(*ip)).count() as u64;
                 RangeUsage { cidr: v.map.cidr().clone(), used: v.map.used() - pooled, free: v.map.free() + pooled, pooled }
             })

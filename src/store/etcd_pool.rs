@@ -4,9 +4,12 @@
 //!
 //! How it stays race-free and visible:
 //! - A pooled address is allocated in the map (so no other writer can choose it) and listed
-//!   under the replica's *pool key* `<range key>/pool/<member>`, written in the same
-//!   transaction that allocated it. The key is attached to the replica's etcd lease, so a
-//!   replica that dies takes its pool key with it after the lease TTL.
+//!   under one of the replica's *pool keys* `<range key>/pool/<member>/<chunk>`, written in
+//!   the same transaction that allocated it. A fill is split into keys of at most
+//!   [`CHUNK`] addresses, so a hand-out rewrites one small key rather than a list of the
+//!   whole pool (each rewrite is a revision etcd keeps until compaction). The keys are
+//!   attached to the replica's etcd lease, so a replica that dies takes them with it after
+//!   the lease TTL.
 //! - Every reader (`has`, `allocated`, `usage`, the repair pass) treats an address listed in
 //!   any pool key as *free, held in reserve*: not a record of any object, so not a leak, and a
 //!   static request for it is honoured.
@@ -22,7 +25,7 @@
 //! This module holds the in-memory side (the pool, the lease, the key formats); the etcd
 //! transactions live in [`super::etcd`].
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -48,9 +51,30 @@ pub fn pool_target(requested: usize, cidr: &crate::cidr::ServiceCidr) -> usize {
     requested.min(usize::try_from(band).unwrap_or(usize::MAX))
 }
 
-/// `<range key>/pool/` — the prefix of every replica's pool key of one range.
+/// Addresses one pool key lists at most.
+pub const CHUNK: usize = 64;
+
+/// `<range key>/pool/` — the prefix of every replica's pool keys of one range.
 pub fn pool_prefix(range_key: &str) -> String {
     format!("{range_key}/pool/")
+}
+
+/// `<range key>/pool/<member>/` — the prefix of one replica's pool keys of one range.
+pub fn member_pool_prefix(range_key: &str, member: &str) -> String {
+    format!("{}{member}/", pool_prefix(range_key))
+}
+
+/// The pool key of one chunk of a replica's pool.
+pub fn pool_key(range_key: &str, member: &str, chunk: u32) -> String {
+    format!("{}{chunk}", member_pool_prefix(range_key, member))
+}
+
+/// The replica a pool key belongs to, from the key's name below [`pool_prefix`]:
+/// `<member>/<chunk>`, or `<member>` alone as replicas wrote it before pools were split into
+/// chunks (read the same way, so replicas of both versions can run side by side). A claim
+/// names the owner either way, and an owner answers both.
+pub fn pool_member(name: &str) -> &str {
+    name.split('/').next().unwrap_or(name)
 }
 
 /// `<range key>/claim/` — the prefix of claims on one range's pooled addresses.
@@ -115,17 +139,53 @@ impl LeaseState {
     }
 }
 
+/// One pool key's new listing; empty: delete the key (every address it listed is gone).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkWrite {
+    pub chunk: u32,
+    pub addrs: Vec<IpAddr>,
+}
+
+/// What one transaction writes to this replica's pool keys of one range.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolPlan {
+    /// Keys that list addresses no longer pooled (handed out, taken), with what they should.
+    pub rewrites: Vec<ChunkWrite>,
+    /// New keys for the addresses the transaction's fills record.
+    pub fills: Vec<ChunkWrite>,
+}
+
+impl PoolPlan {
+    pub fn is_empty(&self) -> bool {
+        self.rewrites.is_empty() && self.fills.is_empty()
+    }
+}
+
 /// This replica's pool of one range.
 #[derive(Debug, Default)]
 struct RangePool {
     /// Addresses kept (0 = no pool for this range) and the level that triggers a refill.
     target: usize,
     low_water: usize,
-    free: Vec<IpAddr>,
+    /// Pooled addresses, each with the chunk whose key lists it.
+    free: Vec<(IpAddr, u32)>,
     /// A fill is queued or in flight.
     filling: bool,
-    /// The pool key lists addresses handed out since it was written.
-    dirty: bool,
+    /// Chunk → how many addresses its key lists, as last written. A chunk whose addresses
+    /// in `free` are fewer lists addresses handed out since.
+    written: BTreeMap<u32, usize>,
+    /// A rewrite of the pool keys is queued and not yet planned.
+    sync_queued: bool,
+    /// The number of the next chunk a fill writes.
+    next_chunk: u32,
+}
+
+impl RangePool {
+    fn clear(&mut self) -> Vec<IpAddr> {
+        self.written.clear();
+        self.sync_queued = false;
+        std::mem::take(&mut self.free).into_iter().map(|(ip, _)| ip).collect()
+    }
 }
 
 /// This replica's pools (one per range) and its lease. Sizes are per range.
@@ -144,7 +204,7 @@ pub struct Popped {
     pub ip: IpAddr,
     /// A fill of this many addresses should be queued (the pool fell below its low water).
     pub refill: Option<usize>,
-    /// The pool key listed only pooled addresses until now: queue one rewrite.
+    /// No rewrite of the pool keys is queued: queue one.
     pub sync: bool,
 }
 
@@ -199,23 +259,15 @@ impl OwnPool {
     /// Forget every pooled address (the lease was lost: they are no longer ours to hand
     /// out). Returns how many were dropped.
     pub fn drop_all(&self) -> usize {
-        let mut n = 0;
-        for r in &self.ranges {
-            let mut r = lock(r);
-            n += r.free.len();
-            r.free.clear();
-            r.dirty = false;
-        }
-        n
+        self.ranges.iter().map(|r| lock(r).clear().len()).sum()
     }
 
     /// Take an address of range `range`, if the pool holds one and the lease is alive.
     pub fn pop(&self, range: usize, now: Instant) -> Option<Popped> {
         self.live_lease(now)?;
         let mut r = lock(&self.ranges[range]);
-        let ip = r.free.pop()?;
-        let sync = !r.dirty;
-        r.dirty = true;
+        let (ip, _) = r.free.pop()?;
+        let sync = !std::mem::replace(&mut r.sync_queued, true);
         Some(Popped { ip, refill: Self::refill_wanted(&mut r), sync })
     }
 
@@ -223,10 +275,10 @@ impl OwnPool {
     /// claim). True when it was pooled; from then on it is never handed out.
     pub fn take(&self, range: usize, ip: IpAddr) -> bool {
         let mut r = lock(&self.ranges[range]);
-        match r.free.iter().position(|x| *x == ip) {
+        match r.free.iter().position(|(x, _)| *x == ip) {
             Some(i) => {
                 r.free.swap_remove(i);
-                r.dirty = true;
+                r.sync_queued = true;
                 true
             }
             None => false,
@@ -249,46 +301,81 @@ impl OwnPool {
         Some(r.target - r.free.len())
     }
 
-    /// A fill ended: add what it recorded (may be empty) under lease `under`. False, adding
-    /// nothing, when that is not the current lease (lost meanwhile: the addresses' pool key
-    /// went with it). Callers clear the lease before [`Self::drop_all`], so a fill racing a
-    /// lost lease is either refused here or dropped there.
-    pub fn fill_done(&self, range: usize, got: &[IpAddr], under: Option<i64>) -> bool {
+    /// A fill ended: add what it recorded (may be empty; its keys as [`Self::plan`] cut
+    /// them) under lease `under`. False, adding nothing, when that is not the current lease
+    /// (lost meanwhile: the addresses' pool keys went with it). Callers clear the lease
+    /// before [`Self::drop_all`], so a fill racing a lost lease is either refused here or
+    /// dropped there.
+    pub fn fill_done(&self, range: usize, got: &[ChunkWrite], under: Option<i64>) -> bool {
         let current = lock(&self.lease).map(|l| l.id);
         let mut r = lock(&self.ranges[range]);
         r.filling = false;
-        if got.is_empty() {
+        if got.iter().all(|c| c.addrs.is_empty()) {
             return true;
         }
         if under.is_none() || under != current {
             return false;
         }
-        r.free.extend_from_slice(got);
+        for c in got {
+            r.free.extend(c.addrs.iter().map(|ip| (*ip, c.chunk)));
+            r.written.insert(c.chunk, c.addrs.len());
+        }
         true
     }
 
-    /// The pooled addresses of a range, as the pool key should list them; clears the dirty
-    /// mark (the caller is about to write the key).
-    pub fn listing(&self, range: usize) -> Vec<IpAddr> {
+    /// What the next transaction writes to the pool keys of a range: every key that lists
+    /// an address no longer pooled, rewritten (or deleted), and `filled` cut into new keys of
+    /// at most [`CHUNK`] addresses. A rewrite asked for after this is queued anew. Once the
+    /// transaction succeeded, [`Self::written`] records the rewrites and
+    /// [`Self::fill_done`] the fills.
+    pub fn plan(&self, range: usize, filled: &[IpAddr]) -> PoolPlan {
         let mut r = lock(&self.ranges[range]);
-        r.dirty = false;
-        let mut v = r.free.clone();
-        v.sort();
-        v
+        r.sync_queued = false;
+        let mut now: BTreeMap<u32, Vec<IpAddr>> = BTreeMap::new();
+        for (ip, c) in &r.free {
+            now.entry(*c).or_default().push(*ip);
+        }
+        let rewrites = r
+            .written
+            .iter()
+            .filter_map(|(c, listed)| {
+                let mut addrs = now.remove(c).unwrap_or_default();
+                (addrs.len() != *listed).then(|| {
+                    addrs.sort();
+                    ChunkWrite { chunk: *c, addrs }
+                })
+            })
+            .collect();
+        let fills = filled
+            .chunks(CHUNK)
+            .map(|addrs| {
+                let chunk = r.next_chunk;
+                r.next_chunk = r.next_chunk.wrapping_add(1);
+                ChunkWrite { chunk, addrs: addrs.to_vec() }
+            })
+            .collect();
+        PoolPlan { rewrites, fills }
     }
 
-    /// The pooled addresses of a range, without touching the dirty mark.
-    pub fn listing_peek(&self, range: usize) -> Vec<IpAddr> {
-        lock(&self.ranges[range]).free.clone()
+    /// The rewrites of `plan` are in etcd now.
+    pub fn written(&self, range: usize, plan: &PoolPlan) {
+        let mut r = lock(&self.ranges[range]);
+        for c in &plan.rewrites {
+            if c.addrs.is_empty() {
+                r.written.remove(&c.chunk);
+            } else {
+                r.written.insert(c.chunk, c.addrs.len());
+            }
+        }
     }
 
-    /// Whether the pool key of a range lists addresses handed out since.
-    pub fn is_dirty(&self, range: usize) -> bool {
-        lock(&self.ranges[range]).dirty
+    /// The pooled addresses of a range.
+    pub fn listing(&self, range: usize) -> Vec<IpAddr> {
+        lock(&self.ranges[range]).free.iter().map(|(ip, _)| *ip).collect()
     }
 
     pub fn holds(&self, range: usize, ip: IpAddr) -> bool {
-        lock(&self.ranges[range]).free.contains(&ip)
+        lock(&self.ranges[range]).free.iter().any(|(x, _)| *x == ip)
     }
 
     pub fn len(&self, range: usize) -> usize {
@@ -297,9 +384,7 @@ impl OwnPool {
 
     /// Empty the pool of a range (returned on shutdown); the addresses taken out.
     pub fn take_all(&self, range: usize) -> Vec<IpAddr> {
-        let mut r = lock(&self.ranges[range]);
-        r.dirty = false;
-        std::mem::take(&mut r.free)
+        lock(&self.ranges[range]).clear()
     }
 }
 
@@ -312,6 +397,12 @@ mod tests {
     }
 
     const LIVE: Option<i64> = Some(0x2a);
+
+    /// A fill of `ips` into range `range` planned and landed under `under`.
+    fn filled(pool: &OwnPool, range: usize, ips: &[IpAddr], under: Option<i64>) -> bool {
+        let plan = pool.plan(range, ips);
+        pool.fill_done(range, &plan.fills, under)
+    }
 
     fn live(pool: &OwnPool) -> Instant {
         let now = Instant::now();
@@ -342,11 +433,11 @@ mod tests {
     #[test]
     fn nothing_is_handed_out_without_a_live_lease() {
         let pool = OwnPool::new(&[8]);
-        assert!(!pool.fill_done(0, &[ip("198.18.0.1")], None), "a fill without a lease is not pooled");
+        assert!(!filled(&pool, 0, &[ip("198.18.0.1")], None), "a fill without a lease is not pooled");
         assert_eq!(pool.pop(0, Instant::now()), None, "no lease yet");
         let now = Instant::now();
         pool.set_lease(Some(LeaseState { id: 1, valid_until: now + LEASE_MARGIN }));
-        assert!(pool.fill_done(0, &[ip("198.18.0.1")], Some(1)));
+        assert!(filled(&pool, 0, &[ip("198.18.0.1")], Some(1)));
         assert_eq!(pool.pop(0, now), None, "a lease about to run out is not live");
         pool.set_lease(Some(LeaseState { id: 1, valid_until: now + LEASE_TTL }));
         assert_eq!(pool.pop(0, now).map(|p| p.ip), Some(ip("198.18.0.1")));
@@ -358,7 +449,7 @@ mod tests {
         let now = live(&pool);
         assert_eq!(pool.start_fill(0, now), Some(8));
         // The fill was written under lease 7, which is gone; 0x2a is the lease now.
-        assert!(!pool.fill_done(0, &[ip("198.18.0.1")], Some(7)));
+        assert!(!filled(&pool, 0, &[ip("198.18.0.1")], Some(7)));
         assert_eq!(pool.len(0), 0);
         assert_eq!(pool.start_fill(0, now), Some(8), "the fill is over: the next one may start");
     }
@@ -371,24 +462,64 @@ mod tests {
         assert_eq!(pool.start_fill(0, now), Some(8));
         assert_eq!(pool.start_fill(0, now), None, "one fill at a time");
         let got: Vec<IpAddr> = (1..=8).map(|i| ip(&format!("198.18.0.{i}"))).collect();
-        assert!(pool.fill_done(0, &got, LIVE));
+        assert!(filled(&pool, 0, &got, LIVE));
         // Low water is 6: the first two pops need nothing, the third asks for 3. Only the
-        // first pop after a clean pool key asks for a rewrite.
+        // first pop after a rewrite was planned asks for one.
         assert_eq!(pool.pop(0, now).map(|p| (p.refill, p.sync)), Some((None, true)));
-        assert_eq!(pool.pop(0, now).and_then(|p| p.refill), None);
+        assert_eq!(pool.pop(0, now).map(|p| (p.refill, p.sync)), Some((None, false)));
         assert_eq!(pool.pop(0, now).and_then(|p| p.refill), Some(3));
         assert_eq!(pool.pop(0, now).and_then(|p| p.refill), None, "a fill is on its way");
-        assert!(pool.is_dirty(0));
         assert_eq!(pool.listing(0).len(), 4);
-        assert!(!pool.is_dirty(0));
-        assert_eq!(pool.pop(0, now).map(|p| p.sync), Some(true), "dirty again after the rewrite");
+        let plan = pool.plan(0, &[]);
+        assert_eq!(plan.rewrites.iter().map(|c| c.addrs.len()).collect::<Vec<_>>(), [4], "one key, rewritten with the four left");
+        assert_eq!(pool.pop(0, now).map(|p| p.sync), Some(true), "a pop after the plan asks again");
+    }
+
+    #[test]
+    fn a_hand_out_rewrites_only_the_key_that_listed_it() {
+        let pool = OwnPool::new(&[1024]);
+        let now = live(&pool);
+        assert_eq!(pool.start_fill(0, now), Some(1024));
+        let got: Vec<IpAddr> = (0..200u32).map(|i| IpAddr::from(std::net::Ipv4Addr::from(0xc612_0000 + i))).collect();
+        let plan = pool.plan(0, &got);
+        assert!(plan.rewrites.is_empty());
+        assert_eq!(plan.fills.iter().map(|c| (c.chunk, c.addrs.len())).collect::<Vec<_>>(), [(0, 64), (1, 64), (2, 64), (3, 8)]);
+        assert!(pool.fill_done(0, &plan.fills, LIVE));
+        assert!(pool.plan(0, &[]).is_empty(), "nothing handed out: nothing to rewrite");
+        // Nine hand-outs empty chunk 3 and take one address of chunk 2.
+        let out: Vec<IpAddr> = (0..9).filter_map(|_| pool.pop(0, now)).map(|p| p.ip).collect();
+        assert_eq!(out.len(), 9);
+        let taken = got[0];
+        assert!(pool.take(0, taken), "a static request takes one address of chunk 0");
+        let plan = pool.plan(0, &[]);
+        let rewritten: Vec<(u32, usize)> = plan.rewrites.iter().map(|c| (c.chunk, c.addrs.len())).collect();
+        assert_eq!(rewritten, [(0, 63), (2, 63), (3, 0)], "chunk 3 is deleted, 0 and 2 rewritten, 1 untouched");
+        for c in &plan.rewrites {
+            assert!(out.iter().chain([&taken]).all(|ip| !c.addrs.contains(ip)), "a rewritten key lists an address no longer pooled");
+        }
+        // Until the rewrite is written, the next plan asks for it again (a failed transaction
+        // loses nothing); after, nothing is left to rewrite.
+        assert_eq!(pool.plan(0, &[]), PoolPlan { rewrites: plan.rewrites.clone(), fills: Vec::new() });
+        pool.written(0, &plan);
+        assert!(pool.plan(0, &[]).is_empty());
+        // The next fill's keys are new chunks.
+        let more = pool.plan(0, &[IpAddr::from(std::net::Ipv4Addr::new(198, 18, 9, 9))]);
+        assert_eq!(more.fills.iter().map(|c| c.chunk).collect::<Vec<_>>(), [4]);
+    }
+
+    #[test]
+    fn a_pool_key_belongs_to_the_member_before_its_chunk() {
+        assert_eq!(pool_key("/r/198.18.0.0/16", "00000000000000aa", 3), "/r/198.18.0.0/16/pool/00000000000000aa/3");
+        let name = pool_key("/r", "00000000000000aa", 3).trim_start_matches(&pool_prefix("/r")).to_string();
+        assert_eq!(pool_member(&name), "00000000000000aa");
+        assert_eq!(pool_member("00000000000000aa"), "00000000000000aa", "the shape written before chunks");
     }
 
     #[test]
     fn a_taken_address_is_never_handed_out() {
         let pool = OwnPool::new(&[4]);
         let now = live(&pool);
-        assert!(pool.fill_done(0, &[ip("198.18.0.1"), ip("198.18.0.2")], LIVE));
+        assert!(filled(&pool, 0, &[ip("198.18.0.1"), ip("198.18.0.2")], LIVE));
         assert!(pool.take(0, ip("198.18.0.1")));
         assert!(!pool.take(0, ip("198.18.0.1")), "taken once");
         assert_eq!(pool.pop(0, now).map(|p| p.ip), Some(ip("198.18.0.2")));
@@ -399,8 +530,8 @@ mod tests {
     fn losing_the_lease_drops_the_pool() {
         let pool = OwnPool::new(&[4, 4]);
         live(&pool);
-        assert!(pool.fill_done(0, &[ip("198.18.0.1")], LIVE));
-        assert!(pool.fill_done(1, &[ip("fd00::1"), ip("fd00::2")], LIVE));
+        assert!(filled(&pool, 0, &[ip("198.18.0.1")], LIVE));
+        assert!(filled(&pool, 1, &[ip("fd00::1"), ip("fd00::2")], LIVE));
         assert_eq!(pool.drop_all(), 3);
         assert_eq!(pool.len(0) + pool.len(1), 0);
     }
@@ -409,7 +540,7 @@ mod tests {
     fn a_closed_pool_hands_out_nothing() {
         let pool = OwnPool::new(&[4]);
         let now = live(&pool);
-        assert!(pool.fill_done(0, &[ip("198.18.0.1")], LIVE));
+        assert!(filled(&pool, 0, &[ip("198.18.0.1")], LIVE));
         pool.close();
         assert_eq!(pool.pop(0, now), None);
         assert_eq!(pool.start_fill(0, now), None);

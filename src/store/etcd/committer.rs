@@ -3,12 +3,11 @@
 //! in one transaction ([`super::txn`]) — retrying on a fresh copy when another writer got
 //! there first.
 
-use std::net::IpAddr;
-
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
 use crate::alloc::AllocationMap;
+use crate::store::etcd_pool::ChunkWrite;
 use crate::store::{Cause, StoreError};
 use crate::sync::lock;
 
@@ -83,20 +82,21 @@ impl Committer {
             // Addresses recorded under a lease that is no longer ours (lost meanwhile) are not
             // pooled: their pool key is gone, so they are records for the repair pass.
             let (filled, under) = match &result {
-                Ok((_, filled, under)) => (filled.clone(), *under),
-                Err(_) => (Vec::new(), None),
+                Ok((_, filled, under)) => (filled.as_slice(), *under),
+                Err(_) => (&[][..], None),
             };
-            if !self.ctx.pool.fill_done(self.ctx.index, &filled, under) {
-                warn!(key = %self.ctx.key, addresses = filled.len(), "a pool fill landed after its lease was lost; its addresses are left to the repair pass");
+            if !self.ctx.pool.fill_done(self.ctx.index, filled, under) {
+                let addresses: usize = filled.iter().map(|c| c.addrs.len()).sum();
+                warn!(key = %self.ctx.key, addresses, "a pool fill landed after its lease was lost; its addresses are left to the repair pass");
             }
         }
         result.map(|(results, _, _)| results)
     }
 
-    /// The batch's replies, the addresses its fills recorded and the lease they were
-    /// recorded under.
+    /// The batch's replies, the pool keys its fills wrote and the lease they were written
+    /// under.
     #[allow(clippy::type_complexity)]
-    async fn commit_inner(&mut self, ops: &[Op]) -> Result<(Vec<Reply>, Vec<IpAddr>, Option<i64>), StoreError> {
+    async fn commit_inner(&mut self, ops: &[Op]) -> Result<(Vec<Reply>, Vec<ChunkWrite>, Option<i64>), StoreError> {
         let key = self.ctx.key.clone();
         for attempt in 0..MAX_CONFLICT_RETRIES {
             if self.stale {
@@ -112,8 +112,9 @@ impl Committer {
             };
             let lease = self.ctx.pool.lease();
             let d = decide_batch(map, owners, &key, lease.is_some(), ops);
-            let pool_op = txn::pool_op(&key, lease, &d, || self.ctx.pool.listing(self.ctx.index));
-            if !d.map_changed && pool_op.is_none() && d.owner_writes.is_empty() {
+            let plan = (lease.is_some() && d.pool.sync && !d.pool.delete).then(|| self.ctx.pool.plan(self.ctx.index, &d.pool.filled));
+            let pool_ops = txn::pool_ops(&key, lease, &d, plan.as_ref());
+            if !d.map_changed && pool_ops.is_empty() && d.owner_writes.is_empty() {
                 // A release of an address our copy does not know may be racing the watch
                 // (another process allocated it a moment ago): read etcd once and decide again.
                 if d.release_missed && attempt == 0 {
@@ -122,7 +123,7 @@ impl Committer {
                 }
                 return Ok((d.replies, Vec::new(), None));
             }
-            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &d, pool_op))).await {
+            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &d, pool_ops))).await {
                 Ok(r) => r,
                 Err(e) if e.lease_not_found() && lease.is_some() => {
                     // Our lease ran out under us: the pool is no longer ours to hand
@@ -147,7 +148,14 @@ impl Committer {
                         v.owners = d.owners;
                     }
                 }
-                return Ok((d.replies, d.pool.filled, lease.map(|l| l.id)));
+                let fills = match plan {
+                    Some(plan) => {
+                        self.ctx.pool.written(self.ctx.index, &plan);
+                        plan.fills
+                    }
+                    None => Vec::new(),
+                };
+                return Ok((d.replies, fills, lease.map(|l| l.id)));
             }
             // Lost the race: adopt what etcd holds and decide again.
             debug!(key = %key, attempt, "allocation map changed concurrently; retrying on the new version");

@@ -74,6 +74,7 @@ pub(super) fn owners_in<'a>(prefix: &'a str, kvs: &'a [etcd_client::KeyValue]) -
 /// What a key under a range's prefix is.
 pub(super) enum Under<'a> {
     Map,
+    /// A pool key, by its name below `<range key>/pool/` (`<member>/<chunk>`, or `<member>`).
     Pool(&'a str),
     Claim(IpAddr),
     Owner(IpAddr),

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use crate::alloc::AllocError;
-use crate::store::etcd_pool::{claim_key, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_LEASE_TTL_S, CLAIM_TIMEOUT, LEASE_MARGIN, LEASE_TTL};
+use crate::store::etcd_pool::{claim_key, pool_member, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_LEASE_TTL_S, CLAIM_TIMEOUT, LEASE_MARGIN, LEASE_TTL};
 use crate::store::{Cause, StoreError};
 use crate::sync::lock;
 
@@ -72,7 +72,7 @@ impl EtcdStore {
             Ok(Ok(a)) => {
                 // Granted or refused, the owner does not pool it (any more): its pool key may
                 // still list it until the owner rewrites it; our copy stops believing it now.
-                if let Some(listed) = lock(&self.per_range[range].view).pools.get_mut(&owner) {
+                for (_, listed) in lock(&self.per_range[range].view).pools.iter_mut().filter(|(name, _)| pool_member(name) == owner) {
                     listed.remove(&ip);
                 }
                 Ok(Some(a))
@@ -105,7 +105,7 @@ impl EtcdStore {
         });
         let Some((value, revision)) = existing else { return Ok(false) };
         let finished = match serde_json::from_slice::<Claim>(&value) {
-            Ok(c) => c.answer.is_some() || c.claimant == claim.claimant || c.owner != claim.owner,
+            Ok(c) => c.answer.is_some() || c.claimant == claim.claimant || pool_member(&c.owner) != pool_member(&claim.owner),
             Err(_) => true,
         };
         if !finished {
@@ -155,15 +155,8 @@ impl EtcdStore {
     pub(super) async fn claim_any(&self, range: usize) -> Option<IpAddr> {
         const CANDIDATES: usize = 16;
         let own = self.pool.lease().map(|l| l.member());
-        let candidates: Vec<(IpAddr, String)> = {
-            let view = lock(&self.per_range[range].view);
-            view.pools
-                .iter()
-                .filter(|(m, _)| Some(m.as_str()) != own.as_deref())
-                .flat_map(|(m, ips)| ips.iter().map(move |ip| (*ip, m.clone())))
-                .take(CANDIDATES)
-                .collect()
-        };
+        let candidates: Vec<(IpAddr, String)> =
+            lock(&self.per_range[range].view).pooled_by_others(own.as_deref()).map(|(ip, m)| (ip, m.to_string())).take(CANDIDATES).collect();
         // An owner that does not answer (dead, its lease not yet expired) is asked once.
         let mut silent: BTreeSet<String> = BTreeSet::new();
         for (ip, owner) in candidates {

@@ -1,35 +1,44 @@
 //! One batch's transaction: `if <the map's mod revision and every owner key are as the
-//! decisions assumed> then <write the map, the owner keys, the pool key> else <read the map
+//! decisions assumed> then <write the map, the owner keys, the pool keys> else <read the map
 //! and the owner keys>`, and the reading of its `else` branch.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
+use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
 
-use crate::store::etcd_pool::{encode_pool, pool_prefix, LeaseState};
+use crate::store::etcd_pool::{encode_pool, member_pool_prefix, pool_key, LeaseState, PoolPlan};
 use crate::store::ParentRef;
 
 use super::decide::{Decided, OwnerGuard, OwnerWrite};
 use super::keys::{encode_owner, owner_key, owner_prefix, owners_in};
 
-/// The write of this replica's pool key the decisions call for, if any: deleted (returned),
-/// or rewritten to `listing` (what the pool holds, plus the batch's fills) on `lease`.
-pub(super) fn pool_op(key: &str, lease: Option<LeaseState>, d: &Decided, listing: impl FnOnce() -> Vec<IpAddr>) -> Option<TxnOp> {
-    match lease {
-        Some(l) if d.pool.delete => Some(TxnOp::delete(format!("{}{}", pool_prefix(key), l.member()), None)),
-        Some(l) if d.pool.sync => {
-            let mut listing = listing();
-            listing.extend_from_slice(&d.pool.filled);
-            Some(TxnOp::put(format!("{}{}", pool_prefix(key), l.member()), encode_pool(listing), Some(PutOptions::new().with_lease(l.id))))
-        }
-        _ => None,
+/// The writes to this replica's pool keys the decisions call for: all of them deleted (the
+/// pool was returned), or `plan`'s keys written on `lease` (an emptied one deleted).
+pub(super) fn pool_ops(key: &str, lease: Option<LeaseState>, d: &Decided, plan: Option<&PoolPlan>) -> Vec<TxnOp> {
+    let Some(l) = lease else { return Vec::new() };
+    let member = l.member();
+    if d.pool.delete {
+        return vec![TxnOp::delete(member_pool_prefix(key, &member), Some(DeleteOptions::new().with_prefix()))];
     }
+    let Some(plan) = plan.filter(|_| d.pool.sync) else { return Vec::new() };
+    plan.rewrites
+        .iter()
+        .chain(&plan.fills)
+        .map(|c| {
+            let k = pool_key(key, &member, c.chunk);
+            if c.addrs.is_empty() {
+                TxnOp::delete(k, None)
+            } else {
+                TxnOp::put(k, encode_pool(c.addrs.iter().copied()), Some(PutOptions::new().with_lease(l.id)))
+            }
+        })
+        .collect()
 }
 
 /// The transaction of decisions made on the copy of `key` at `revision` (0: the key did not
 /// exist).
-pub(super) fn build(key: &str, revision: i64, d: &Decided, pool_op: Option<TxnOp>) -> Txn {
+pub(super) fn build(key: &str, revision: i64, d: &Decided, pool_ops: Vec<TxnOp>) -> Txn {
     let mut then = Vec::new();
     let mut guards = Vec::new();
     if d.map_changed {
@@ -40,7 +49,7 @@ pub(super) fn build(key: &str, revision: i64, d: &Decided, pool_op: Option<TxnOp
         });
         then.push(TxnOp::put(key, d.map.snapshot(), None));
     }
-    then.extend(pool_op);
+    then.extend(pool_ops);
     guards.extend(d.owner_guards.iter().map(|g| match g {
         OwnerGuard::Absent(ip) => Compare::version(owner_key(key, *ip), CompareOp::Equal, 0),
         OwnerGuard::Is(ip, o) => Compare::value(owner_key(key, *ip), CompareOp::Equal, encode_owner(o)),

@@ -12,7 +12,7 @@ use futures::StreamExt;
 use tracing::{debug, info, warn};
 
 use crate::alloc::AllocationMap;
-use crate::store::etcd_pool::{decode_pool, Claim, OwnPool};
+use crate::store::etcd_pool::{decode_pool, pool_member, Claim, OwnPool};
 use crate::store::{ParentRef, StoreError};
 use crate::sync::lock;
 
@@ -28,7 +28,8 @@ pub(super) struct View {
     pub(super) revision: i64,
     /// Highest etcd revision read (by a get or the watch) under the range key's prefix.
     pub(super) watched: i64,
-    /// Pool member → the addresses its pool key lists.
+    /// Pool key (its name below `<range key>/pool/`: `<member>/<chunk>`) → the addresses it
+    /// lists.
     pub(super) pools: BTreeMap<String, BTreeSet<IpAddr>>,
     /// Address → its owner key's owner (owners other than Services).
     pub(super) owners: BTreeMap<IpAddr, ParentRef>,
@@ -40,7 +41,17 @@ pub(super) struct View {
 impl View {
     /// The member whose pool key lists `ip`.
     pub(super) fn pool_owner(&self, ip: IpAddr) -> Option<&str> {
-        self.pools.iter().find(|(_, s)| s.contains(&ip)).map(|(m, _)| m.as_str())
+        self.pools.iter().find(|(_, s)| s.contains(&ip)).map(|(name, _)| pool_member(name))
+    }
+
+    /// Every address other members' pool keys list (`own`: this replica's member).
+    pub(super) fn pooled_by_others(&self, own: Option<&str>) -> impl Iterator<Item = (IpAddr, &str)> + '_ {
+        let own = own.map(str::to_string);
+        self.pools
+            .iter()
+            .map(|(name, ips)| (pool_member(name), ips))
+            .filter(move |(m, _)| Some(*m) != own.as_deref())
+            .flat_map(|(m, ips)| ips.iter().map(move |ip| (*ip, m)))
     }
 
     /// Held in a pool: ours as our memory says (our pool key may still list addresses we
@@ -145,12 +156,12 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                 }
             }
         }
-        Under::Pool(member) => match value {
+        Under::Pool(name) => match value {
             Some(value) => {
-                v.pools.insert(member.to_string(), decode_pool(value));
+                v.pools.insert(name.to_string(), decode_pool(value));
             }
             None => {
-                v.pools.remove(member);
+                v.pools.remove(name);
             }
         },
         Under::Owner(ip) => match value {
@@ -178,7 +189,9 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                         let _ = tx.send(answer);
                     }
                 }
-                None if ctx.pool.lease().map(|l| l.member()) == Some(claim.owner.clone()) => {
+                // Addressed to our member, or (by a replica of the version before chunks) to
+                // one of our pool keys by its name.
+                None if ctx.pool.lease().is_some_and(|l| l.member() == pool_member(&claim.owner)) => {
                     let ctx = ctx.clone();
                     let key = key.to_string();
                     tokio::spawn(async move { answer_claim(ctx, key, ip, claim).await });

@@ -363,7 +363,9 @@ fn verdict_chain(v: &Verdict) -> Option<&str> {
 /// skeleton, every chain named and every endpoint map used (what the mirror guarantees
 /// before it writes such operations). A refusal by the kernel ("Could not process rule": a
 /// missing element, a chain in use) is about the table's state, not about how the
-/// operation was written, and is not counted against the encoder.
+/// operation was written, and is not counted against the encoder. Neither is a transaction
+/// that names a chain it deleted before (deleted twice, flushed or referred to after its
+/// delete): nft refuses that from its cache, and the mirror never writes one.
 pub fn netlink_encode(data: &[u8]) -> bool {
     let Ok(s) = std::str::from_utf8(data) else { return false };
     let Some(ops) = text_ops(s) else { return false };
@@ -373,7 +375,28 @@ pub fn netlink_encode(data: &[u8]) -> bool {
     let mut tx = Transaction::new();
     let mut chains: BTreeSet<(IpFamily, String)> = BTreeSet::new();
     let mut maps: BTreeSet<(IpFamily, SetName)> = BTreeSet::new();
+    // Chains deleted so far in this transaction (and not added again).
+    let mut deleted: BTreeSet<(IpFamily, String)> = BTreeSet::new();
     for o in ops {
+        let named_after_delete = match &o {
+            TextOp::Chain { family, kind: 0, chain } => {
+                deleted.remove(&(*family, chain.clone()));
+                false
+            }
+            TextOp::Chain { family, chain, .. } => deleted.contains(&(*family, chain.clone())),
+            TextOp::Rule { family, chain, rule } => {
+                deleted.contains(&(*family, chain.clone()))
+                    || rule.0.iter().any(|e| matches!(e, Expr::Verdict(v) if verdict_chain(v).is_some_and(|c| deleted.contains(&(*family, c.to_string())))))
+            }
+            TextOp::Element { family, value: Some(Value::Verdict(v)), delete: false, .. } => verdict_chain(v).is_some_and(|c| deleted.contains(&(*family, c.to_string()))),
+            TextOp::Element { .. } => false,
+        };
+        if named_after_delete {
+            return false;
+        }
+        if let TextOp::Chain { family, kind: 2, chain } = &o {
+            deleted.insert((*family, chain.clone()));
+        }
         match o {
             TextOp::Chain { family, kind, chain } => match kind {
                 0 => tx.add_chain(family, &chain),
@@ -401,7 +424,9 @@ pub fn netlink_encode(data: &[u8]) -> bool {
             }
             TextOp::Element { family, set, key, value, delete } => {
                 maps.insert((family, set));
-                if let Some(Value::Verdict(v)) = &value {
+                // A delete names its element by key alone: a value written after it is not
+                // part of the operation (nor a chain the table needs).
+                if let (Some(Value::Verdict(v)), false) = (&value, delete) {
                     chains.extend(verdict_chain(v).map(|c| (family, c.to_string())));
                 }
                 if delete {

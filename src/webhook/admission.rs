@@ -343,7 +343,7 @@ impl Admission {
             return Ok(None);
         }
         let Some(svc) = req.object.clone() else {
-            return Err(Box::new(AdmissionResponse::from(req).deny("the admission request carries no Service object")));
+            return Err(Box::new(deny(req, 400, "BadRequest", "the admission request carries no Service object".into(), Vec::new())));
         };
         let spec = svc.spec.clone().unwrap_or_default();
         let plan = match clusterips::plan(&spec, &families_of(self.store.as_ref())) {
@@ -439,7 +439,7 @@ impl Admission {
             Ok(p) => p,
             Err(e) => {
                 self.rollback(&recorded_here, &parent).await;
-                return AdmissionResponse::from(req).deny(format!("internal error building the patch: {e}"));
+                return deny(req, 500, "InternalError", format!("internal error building the patch: {e}"), Vec::new());
             }
         };
         debug!(service = %parent, ips = %ips.join(","), "assigned ClusterIPs");
@@ -450,7 +450,7 @@ impl Admission {
             }
             Err(e) => {
                 self.rollback(&recorded_here, &parent).await;
-                AdmissionResponse::from(req).deny(format!("internal error serializing the patch: {e}"))
+                deny(req, 500, "InternalError", format!("internal error serializing the patch: {e}"), Vec::new())
             }
         }
     }
@@ -570,6 +570,18 @@ mod tests {
         json_patch::patch(&mut doc, &patch).expect("the patch applies");
         let ip: IpAddr = doc["spec"]["clusterIP"].as_str().expect("clusterIP").parse().expect("ip");
         assert!(ServiceCidr::parse(V4).expect("v4").contains(ip));
+    }
+
+    #[tokio::test]
+    async fn a_create_without_an_object_is_denied_with_a_status_code() {
+        // Found by fuzzing (tests/fuzz/corpus/admission/crash-create-without-an-object): the
+        // denial carried a message but code 0, which the kube-apiserver turns into a 400
+        // "without explanation"; it is ours to say.
+        let (adm, _) = admission();
+        let resp = adm.mutate(&request("CREATE", Value::Null, None)).await;
+        assert!(!resp.allowed);
+        assert_eq!((resp.result.code, resp.result.reason.as_str()), (400, "BadRequest"));
+        assert_eq!(resp.result.message, "the admission request carries no Service object");
     }
 
     #[tokio::test]

@@ -223,7 +223,16 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Result<Vec<Serv
             health_check_node_port,
         };
         sp.external_policy_local = external_local_requested && sp.externally_accessible();
-        out.push(sp);
+        // Two ports of one name and protocol (which the kube-apiserver refuses) would render
+        // the same chains twice, and each sync would rewrite them: the later one is proxied,
+        // as kube-proxy's map of a Service's ports keeps it.
+        match out.iter().position(|o: &ServicePort| o.name == sp.name) {
+            Some(i) => {
+                tracing::warn!(service = %nsn, port_name = %sp.name.port_name, "two ports of the same name and protocol; proxying the later one");
+                out[i] = sp;
+            }
+            None => out.push(sp),
+        }
     }
     Ok(out)
 }
@@ -281,6 +290,18 @@ mod tests {
         let ports = service_ports(&s, None).expect("proxied");
         assert_eq!(ports.iter().map(|p| p.port).collect::<Vec<_>>(), vec![81], "the port with a bad name is dropped");
         assert!(is_dns_label("a-1") && is_dns_label(&"a".repeat(63)) && !is_dns_label("a."));
+    }
+
+    #[test]
+    fn of_two_ports_with_one_name_and_protocol_the_later_is_proxied() {
+        // Found by fuzzing (tests/fuzz/corpus/ruleset/crash-two-ports-of-one-name): both were
+        // rendered into the same chains, and every sync deleted and re-added the node port.
+        let s = svc(json!({"metadata": {"name": "np", "namespace": "ns"},
+            "spec": {"type": "NodePort", "clusterIP": "198.19.0.1",
+                     "ports": [{"port": 80}, {"port": 81, "nodePort": 30443}, {"port": 82, "protocol": "UDP"}]}}));
+        let ports = service_ports(&s, None).expect("proxied");
+        let seen: Vec<(u16, Option<u16>, Protocol)> = ports.iter().map(|p| (p.port, p.node_port, p.name.protocol)).collect();
+        assert_eq!(seen, vec![(81, Some(30443), Protocol::Tcp), (82, None, Protocol::Udp)]);
     }
 
     #[test]

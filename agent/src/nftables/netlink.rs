@@ -227,12 +227,16 @@ fn verdict_code(v: &Verdict) -> Result<(i32, Option<&str>), &'static str> {
 /// outside that (a space, a ';') means something else in nft text, so the encoder refuses
 /// it and the transaction goes through `nft -f`, where the difference shows as an error
 /// (found by fuzzing: tests/fuzz/corpus/netlink_encode/crash-chain-name-with-a-space).
+/// The name must also hold a '-' or a '/': a bare word may be one of nft's keywords (`xt`,
+/// `tcp`), which nft does not read as a name (crash-chain-named-like-a-keyword); every chain
+/// the agent writes rules or verdict elements for has one (`svc-…`, `ep-…`, `ext-…`).
 fn nft_identifier(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() < 256
         && (b[0].is_ascii_alphabetic() || b[0] == b'_')
         && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.' | b'/'))
+        && b.iter().any(|c| matches!(c, b'-' | b'/'))
 }
 
 /// Netlink message building.
@@ -493,6 +497,10 @@ pub fn encode(ops: &[(IpFamily, &Op)]) -> Result<Batch, Unencodable> {
                     return Err(bad("not a chain name nft reads as one"));
                 }
                 let shape = shape(rule).ok_or_else(|| bad("rule shape not encoded"))?;
+                if let Shape::DnatTo { addr, .. } = &shape {
+                    // nft refuses `dnat to` an address of the other family than the table's.
+                    put_addr(&mut Vec::new(), addr, family).map_err(bad)?;
+                }
                 let m = buf.msg_start(msg_type(NFT_MSG_NEWRULE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_APPEND, seq, nfproto_family(family), 0);
                 buf.attr_str(NFTA_RULE_TABLE, TABLE);
                 buf.attr_str(NFTA_RULE_CHAIN, chain);
@@ -791,6 +799,30 @@ mod tests {
         assert!(encode(&with(IpFamily::V4, &rule)).is_err(), "other rules go through nft");
         let table = [Op::AddTable { comment: true }];
         assert!(encode(&with(IpFamily::V4, &table)).is_err(), "tables go through nft");
+    }
+
+    #[test]
+    fn a_bare_word_is_no_chain_name_for_the_encoder() {
+        // Found by fuzzing (tests/fuzz/corpus/netlink_encode/crash-chain-named-like-a-keyword):
+        // `goto xt` — nft reads `xt` as a keyword, not as a chain's name.
+        for word in ["xt", "tcp", "services"] {
+            assert!(!nft_identifier(word), "{word}");
+            let op = [add(SetName::Named("service-nodeports"), Key::ProtoPort(Protocol::Tcp, 30080), Some(Value::Verdict(Verdict::Goto(word.into()))))];
+            assert!(encode(&with(IpFamily::V4, &op)).is_err(), "goto {word}");
+        }
+        assert!(nft_identifier("svc-ns/a/tcp/80") && nft_identifier("ep-x") && nft_identifier("mark-for-masquerade"));
+    }
+
+    #[test]
+    fn a_dnat_to_the_other_family_is_unencodable() {
+        // Found by fuzzing (tests/fuzz/corpus/netlink_encode/crash-dnat-to-the-other-family):
+        // nft refuses `dnat to` an IPv6 address in an `ip` table, so the encoder must too.
+        let chain = "svc-ns/b/udp/53".to_string();
+        let dnat = |addr| [Op::AddRule { chain: chain.clone(), rule: Rule::new([Expr::L4Proto(Protocol::Udp), Expr::DnatTo(ip(addr), 5353)]) }];
+        assert!(encode(&with(IpFamily::V4, &dnat("fd00:2::5"))).is_err(), "an IPv6 dnat in an ip table");
+        assert!(encode(&with(IpFamily::V6, &dnat("198.18.2.5"))).is_err(), "an IPv4 dnat in an ip6 table");
+        assert!(encode(&with(IpFamily::V4, &dnat("198.18.2.5"))).is_ok());
+        assert!(encode(&with(IpFamily::V6, &dnat("fd00:2::5"))).is_ok());
     }
 
     #[test]

@@ -22,7 +22,6 @@ use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::apiserver_ips::ApiserverIps;
 use clusterip::store::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
-use clusterip_test_support::poll::eventually;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Service};

@@ -511,13 +511,7 @@ impl BlockStore {
 
     /// Take one more block of `range`: a block observed unchanged for the lease duration
     /// (its holder gone) first, else a free dynamic block, else a free static one. Ok(false)
-    /// when every block is held.
-    async fn acquire(&self, range: usize) -> Result<bool, StoreError> {
-        let _one = self.acquiring[range].lock().await;
-        self.acquire_locked(range, Need::Now).await
-    }
-
-    /// See [`Self::acquire`]; the caller holds `acquiring[range]`. Ahead of need, a free
+    /// when every block is held. The caller holds `acquiring[range]`. Ahead of need, a free
     /// block is taken only while at least two are free: the last one is left to a replica
     /// that has none.
     async fn acquire_locked(&self, range: usize, need: Need) -> Result<bool, StoreError> {

@@ -195,3 +195,28 @@ async fn eight_processes_no_duplicates(backend: Backend) {
     assert_eq!(recorded, all);
     fx.cleanup(store).await;
 }
+
+/// More owned allocations at once than etcd takes operations in one transaction (its
+/// `--max-txn-ops`, 128 by default; each owned allocation writes an owner key): every one is
+/// answered, once, with its owner recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_more_owned_allocations_at_once_than_one_transaction_takes() {
+    let fx = Fixture::new(Backend::Etcd, &["198.18.7.0/24"]).await;
+    let store: std::sync::Arc<dyn clusterip::store::AllocationStore> = fx.open().await.into();
+    let gateway = ParentRef { group: "gateway.networking.k8s.io".into(), resource: "gateways".into(), namespace: Some("infra".into()), name: "edge".into() };
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (store, gateway) = (store.clone(), gateway.clone());
+            tokio::spawn(async move { store.allocate_next(Family::IPv4, Some(&gateway)).await })
+        })
+        .collect();
+    let mut got = BTreeSet::new();
+    for t in tasks {
+        let ip = t.await.expect("task").expect("an owned allocation");
+        assert!(got.insert(ip), "{ip} answered twice");
+    }
+    assert_eq!(got.len(), 200);
+    let owners = store.owners().await.expect("owners");
+    assert_eq!(owners.len(), 200, "every owned allocation recorded its owner");
+    assert!(owners.iter().all(|(ip, o)| got.contains(ip) && *o == gateway));
+}

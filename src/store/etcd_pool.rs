@@ -53,6 +53,11 @@ pub fn pool_target(requested: usize, cidr: &crate::cidr::ServiceCidr) -> usize {
 
 /// Addresses one pool key lists at most.
 pub const CHUNK: usize = 64;
+/// Pool keys one transaction writes for a fill at most (a larger fill records this many
+/// keys' worth; the next pop below the low water asks for the rest).
+pub const MAX_FILL_KEYS: usize = 16;
+/// Pool keys one transaction rewrites at most (the rest are rewritten by the next).
+pub const MAX_REWRITES: usize = 32;
 
 /// `<range key>/pool/` — the prefix of every replica's pool keys of one range.
 pub fn pool_prefix(range_key: &str) -> String {
@@ -153,6 +158,9 @@ pub struct PoolPlan {
     pub rewrites: Vec<ChunkWrite>,
     /// New keys for the addresses the transaction's fills record.
     pub fills: Vec<ChunkWrite>,
+    /// More keys list addresses no longer pooled than [`MAX_REWRITES`]: another rewrite is
+    /// due once this one is written.
+    pub more: bool,
 }
 
 impl PoolPlan {
@@ -335,7 +343,7 @@ impl OwnPool {
         for (ip, c) in &r.free {
             now.entry(*c).or_default().push(*ip);
         }
-        let rewrites = r
+        let mut rewrites: Vec<ChunkWrite> = r
             .written
             .iter()
             .filter_map(|(c, listed)| {
@@ -346,6 +354,8 @@ impl OwnPool {
                 })
             })
             .collect();
+        let more = rewrites.len() > MAX_REWRITES;
+        rewrites.truncate(MAX_REWRITES);
         let fills = filled
             .chunks(CHUNK)
             .map(|addrs| {
@@ -354,7 +364,7 @@ impl OwnPool {
                 ChunkWrite { chunk, addrs: addrs.to_vec() }
             })
             .collect();
-        PoolPlan { rewrites, fills }
+        PoolPlan { rewrites, fills, more }
     }
 
     /// The rewrites of `plan` are in etcd now.
@@ -499,12 +509,31 @@ mod tests {
         }
         // Until the rewrite is written, the next plan asks for it again (a failed transaction
         // loses nothing); after, nothing is left to rewrite.
-        assert_eq!(pool.plan(0, &[]), PoolPlan { rewrites: plan.rewrites.clone(), fills: Vec::new() });
+        assert_eq!(pool.plan(0, &[]), PoolPlan { rewrites: plan.rewrites.clone(), fills: Vec::new(), more: false });
         pool.written(0, &plan);
         assert!(pool.plan(0, &[]).is_empty());
         // The next fill's keys are new chunks.
         let more = pool.plan(0, &[IpAddr::from(std::net::Ipv4Addr::new(198, 18, 9, 9))]);
         assert_eq!(more.fills.iter().map(|c| c.chunk).collect::<Vec<_>>(), [4]);
+    }
+
+    #[test]
+    fn a_plan_rewrites_at_most_max_rewrites_keys_and_says_more_are_due() {
+        let pool = OwnPool::new(&[4096]);
+        let now = live(&pool);
+        let got: Vec<IpAddr> = (0..(CHUNK * (MAX_REWRITES + 8)) as u32).map(|i| IpAddr::from(std::net::Ipv4Addr::from(0xc612_0000 + i))).collect();
+        let plan = pool.plan(0, &got);
+        assert!(pool.fill_done(0, &plan.fills, LIVE));
+        // One address taken out of every key.
+        for chunk in got.chunks(CHUNK) {
+            assert!(pool.take(0, chunk[0]));
+        }
+        let first = pool.plan(0, &[]);
+        assert_eq!((first.rewrites.len(), first.more), (MAX_REWRITES, true));
+        pool.written(0, &first);
+        let second = pool.plan(0, &[]);
+        assert_eq!((second.rewrites.len(), second.more), (8, false), "the rest in the next");
+        let _ = now;
     }
 
     #[test]

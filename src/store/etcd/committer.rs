@@ -7,7 +7,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
 use crate::alloc::AllocationMap;
-use crate::store::etcd_pool::ChunkWrite;
+use crate::store::etcd_pool::{ChunkWrite, MAX_FILL_KEYS, MAX_REWRITES};
 use crate::store::{Cause, StoreError};
 use crate::sync::lock;
 
@@ -19,6 +19,16 @@ use super::{txn, RangeCtx};
 
 /// Conflicting transactions retried for one batch before its callers get an error.
 const MAX_CONFLICT_RETRIES: usize = 1000;
+
+/// Compares, and writes, etcd takes in one transaction unless started with a higher
+/// `--max-txn-ops` (its default); more fail the whole transaction.
+const ETCD_MAX_TXN_OPS: usize = 128;
+/// Owner keys one batch may touch (an owned allocation or a release compares or writes
+/// one): once a batch has this many, the rest of the queue waits for the next batch.
+const MAX_OWNER_KEYS: usize = 64;
+// A transaction writes the map, the owner keys and the pool keys, and compares the map and
+// the owner keys: within etcd's limit whatever the queue holds.
+const _: () = assert!(1 + MAX_OWNER_KEYS + MAX_FILL_KEYS + MAX_REWRITES <= ETCD_MAX_TXN_OPS);
 
 pub(super) struct Request {
     pub op: Op,
@@ -47,10 +57,14 @@ impl Committer {
     /// Serve the range's queue until every sender is gone.
     pub(super) async fn run(mut self, mut queue: mpsc::Receiver<Request>) {
         while let Some(first) = queue.recv().await {
+            let mut owner_keys = first.op.owner_keys();
             let mut batch = vec![first];
-            while batch.len() < self.max_batch {
+            while batch.len() < self.max_batch && owner_keys < MAX_OWNER_KEYS {
                 match queue.try_recv() {
-                    Ok(r) => batch.push(r),
+                    Ok(r) => {
+                        owner_keys += r.op.owner_keys();
+                        batch.push(r);
+                    }
                     Err(_) => break,
                 }
             }
@@ -151,6 +165,9 @@ impl Committer {
                 let fills = match plan {
                     Some(plan) => {
                         self.ctx.pool.written(self.ctx.index, &plan);
+                        if plan.more {
+                            enqueue(&self.ctx.queue, Op::SyncPool);
+                        }
                         plan.fills
                     }
                     None => Vec::new(),

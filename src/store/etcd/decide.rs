@@ -11,6 +11,8 @@ use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::ServiceCidr;
 use crate::store::{ParentRef, StoreError};
 
+use crate::store::etcd_pool::{CHUNK, MAX_FILL_KEYS};
+
 use super::keys::{owner_key, OWNER_CONSEQUENCE, UNREADABLE_OWNER};
 
 /// One request to a range's committer.
@@ -24,12 +26,24 @@ pub(super) enum Op {
     Release(IpAddr, Option<ParentRef>),
     /// Record the owner of an address the map already holds for us (taken from a pool).
     Own(IpAddr, ParentRef),
-    /// Record up to this many addresses into this replica's pool (see [`crate::store::etcd_pool`]).
+    /// Record up to this many addresses into this replica's pool (see [`crate::store::etcd_pool`]),
+    /// at most [`MAX_FILL_KEYS`] keys' worth in one transaction.
     Fill(usize),
     /// Rewrite this replica's pool key to what its pool holds now.
     SyncPool,
     /// Release these addresses (the pool, returned on shutdown) and delete the pool key.
     Return(Vec<IpAddr>),
+}
+
+impl Op {
+    /// Owner keys the op compares or writes (at most one): what a batch's transaction spends
+    /// of etcd's operation limit on it ([`super::committer`] cuts batches by it).
+    pub(super) fn owner_keys(&self) -> usize {
+        match self {
+            Op::Allocate(_, Some(_)) | Op::AllocateNext(Some(_)) | Op::Own(..) | Op::Release(..) => 1,
+            _ => 0,
+        }
+    }
 }
 
 /// Per op: the addresses it recorded (none for a release).
@@ -150,7 +164,7 @@ pub(super) fn decide_batch(mut map: AllocationMap, mut owners: BTreeMap<IpAddr, 
                 if !pool_lease {
                     return Ok(Vec::new());
                 }
-                let got = fill(&mut map, *n);
+                let got = fill(&mut map, (*n).min(MAX_FILL_KEYS * CHUNK));
                 map_changed |= !got.is_empty();
                 pool.filled.extend_from_slice(&got);
                 pool.sync = true;

@@ -190,3 +190,23 @@ fn a_returned_pool_is_released_and_its_key_deleted() {
     assert!(!d.map.has(ip("198.18.0.20")) && d.map.has(ip("198.18.0.21")));
     assert!(d.map_changed);
 }
+
+#[test]
+fn a_fill_records_at_most_max_fill_keys_worth_of_addresses() {
+    // A /20's dynamic band holds 3838: a fill of 4000 records what 16 pool keys list, so the
+    // transaction stays within etcd's operation limit (the next pop asks for the rest).
+    let map = AllocationMap::new(ServiceCidr::parse("198.18.0.0/20").unwrap());
+    let d = decide_batch(map, no_owners(), KEY, true, &[Op::Fill(4000)]);
+    assert_eq!(d.pool.filled.len(), MAX_FILL_KEYS * CHUNK);
+}
+
+#[test]
+fn only_ops_that_name_an_owner_key_count_against_the_batch_limit() {
+    assert_eq!(Op::Allocate(ip("198.18.0.4"), None).owner_keys(), 0);
+    assert_eq!(Op::AllocateNext(None).owner_keys(), 0);
+    assert_eq!(Op::Allocate(ip("198.18.0.4"), Some(gateway("a"))).owner_keys(), 1);
+    assert_eq!(Op::AllocateNext(Some(gateway("a"))).owner_keys(), 1);
+    assert_eq!(Op::Own(ip("198.18.0.4"), gateway("a")).owner_keys(), 1);
+    assert_eq!(Op::Release(ip("198.18.0.4"), None).owner_keys(), 1, "compares the owner key's absence");
+    assert_eq!(Op::Fill(10).owner_keys() + Op::SyncPool.owner_keys() + Op::Return(Vec::new()).owner_keys(), 0);
+}

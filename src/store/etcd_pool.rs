@@ -520,7 +520,7 @@ mod tests {
     #[test]
     fn a_plan_rewrites_at_most_max_rewrites_keys_and_says_more_are_due() {
         let pool = OwnPool::new(&[4096]);
-        let now = live(&pool);
+        live(&pool);
         let got: Vec<IpAddr> = (0..(CHUNK * (MAX_REWRITES + 8)) as u32).map(|i| IpAddr::from(std::net::Ipv4Addr::from(0xc612_0000 + i))).collect();
         let plan = pool.plan(0, &got);
         assert!(pool.fill_done(0, &plan.fills, LIVE));
@@ -533,7 +533,6 @@ mod tests {
         pool.written(0, &first);
         let second = pool.plan(0, &[]);
         assert_eq!((second.rewrites.len(), second.more), (8, false), "the rest in the next");
-        let _ = now;
     }
 
     #[test]

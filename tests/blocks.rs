@@ -22,6 +22,7 @@ use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::apiserver_ips::ApiserverIps;
 use clusterip::store::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
+use clusterip_test_support::poll::eventually_some;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Service};
@@ -159,16 +160,17 @@ async fn drain(r: &BlockStore, parent: &ParentRef) -> Vec<IpAddr> {
 /// B's first answer: it ticks (renew, observe, take over) and asks every 500 ms, for up to
 /// 180 s; until it answers, every refusal must be "range is full".
 async fn first_answer(b: &BlockStore, parent: &ParentRef, what: &str) -> IpAddr {
-    let deadline = Instant::now() + Duration::from_secs(180);
-    loop {
+    eventually_some(&format!("B can {what}"), Duration::from_secs(180), Duration::from_millis(500), || async move {
         b.tick().await;
         match b.allocate_next(Family::IPv4, Some(parent)).await {
-            Ok(ip) => return ip,
-            Err(e) => assert!(is_full(&Err::<(), _>(e)), "B failed otherwise"),
+            Ok(ip) => Some(ip),
+            Err(e) => {
+                assert!(is_full(&Err::<(), _>(e)), "B failed otherwise");
+                None
+            }
         }
-        assert!(Instant::now() < deadline, "B did not {what} within 180s");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    })
+    .await
 }
 
 /// Replica A holds the block, answers X, and the apiserver stores X; A then crashes (no

@@ -30,9 +30,26 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
+    eventually_some(what, limit, POLL, || {
+        let c = cond();
+        async move { c.await.then_some(()) }
+    })
+    .await
+}
+
+/// Poll the async `f` every `every` until it returns `Some`; its value. Panics after
+/// `limit`. (A slower cadence than [`POLL`] for a poll that itself writes to the cluster.)
+pub async fn eventually_some<T, F, Fut>(what: &str, limit: Duration, every: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
     let deadline = Instant::now() + limit;
-    while !cond().await {
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
         assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep(every).await;
     }
 }

@@ -382,13 +382,14 @@ start_clusterip-controller() {
     --backend "${CLUSTERIP_BACKEND:-etcd}" --service-cidr "$CONTROLLER_CIDRS" \
     --etcd-endpoints "$(etcd_endpoints)" --kubeconfig "$state/kubeconfig" \
     --webhook-bind-address "127.0.0.1:$WEBHOOK_PORT" --metrics-bind-address "127.0.0.1:$CONTROLLER_METRICS_PORT" \
+    --health-probe-bind-address "127.0.0.1:$CONTROLLER_HEALTH_PORT" \
     --tls-cert-file "$pki/webhook.crt" --tls-private-key-file "$pki/webhook.key" \
     --client-ca-file "$pki/ca.crt" --allowed-client-names "$WEBHOOK_CLIENT_NAME" \
     --shutdown-delay-duration 1s
   wait_ready clusterip-controller 60
   register_webhooks
 }
-ready_clusterip-controller() { curl -fsS --max-time 2 "http://127.0.0.1:$CONTROLLER_METRICS_PORT/readyz" 2>/dev/null | grep -q '^ok$'; }
+ready_clusterip-controller() { curl -fsS --max-time 2 "http://127.0.0.1:$CONTROLLER_HEALTH_PORT/readyz" 2>/dev/null | grep -q '^ok$'; }
 
 # Point the kube-apiserver at the controller's webhook (failurePolicy Fail: no Service
 # gets an address we did not choose while the webhook is registered).
@@ -498,7 +499,8 @@ cmd_up() {
   APISERVER_PORT=$(pick_port "${CLUSTERIP_APISERVER_PORT:-26443}")
   WEBHOOK_PORT=$(pick_port "${CLUSTERIP_WEBHOOK_PORT:-29443}")
   CONTROLLER_METRICS_PORT=$(pick_port $((WEBHOOK_PORT + 10)))
-  local ports=("$ETCD_PORT" "$ETCD_PEER_PORT" "$ETCD_METRICS_PORT" "$APISERVER_PORT" "$WEBHOOK_PORT" "$CONTROLLER_METRICS_PORT")
+  CONTROLLER_HEALTH_PORT=$(pick_port $((CONTROLLER_METRICS_PORT + 1)))
+  local ports=("$ETCD_PORT" "$ETCD_PEER_PORT" "$ETCD_METRICS_PORT" "$APISERVER_PORT" "$WEBHOOK_PORT" "$CONTROLLER_METRICS_PORT" "$CONTROLLER_HEALTH_PORT")
   # Opt-in members and apiserver: each port is picked above the last one picked (ports
   # picked in this run are not claimed yet, so pick_port alone could give one out twice).
   local more="" next=$((ETCD_METRICS_PORT + 1)) n v
@@ -514,7 +516,7 @@ cmd_up() {
   fi
   if [ "$APISERVERS" = 2 ]; then
     APISERVER_2_PORT=$(pick_port $((APISERVER_PORT + 1)))
-    [ "$APISERVER_2_PORT" != "$WEBHOOK_PORT" ] && [ "$APISERVER_2_PORT" != "$CONTROLLER_METRICS_PORT" ] || die "no free port for kube-apiserver-2 after $APISERVER_PORT"
+    case " ${ports[*]} " in *" $APISERVER_2_PORT "*) die "no free port for kube-apiserver-2 after $APISERVER_PORT" ;; esac
     ports+=("$APISERVER_2_PORT")
     more+="APISERVER_2_PORT=$APISERVER_2_PORT"$'\n'
   fi
@@ -532,6 +534,7 @@ ETCD_METRICS_PORT=$ETCD_METRICS_PORT
 APISERVER_PORT=$APISERVER_PORT
 WEBHOOK_PORT=$WEBHOOK_PORT
 CONTROLLER_METRICS_PORT=$CONTROLLER_METRICS_PORT
+CONTROLLER_HEALTH_PORT=$CONTROLLER_HEALTH_PORT
 EOF
   printf '%s' "$more" >> "$state/ports.env"
   gen_certs
@@ -547,6 +550,7 @@ CLUSTERIP_APISERVER_SERVICE_CIDRS=$SERVICE_CIDRS
 CLUSTERIP_SERVICE_CIDRS=$CONTROLLER_CIDRS
 CLUSTERIP_WEBHOOK_URL=https://127.0.0.1:$WEBHOOK_PORT
 CLUSTERIP_METRICS_URL=http://127.0.0.1:$CONTROLLER_METRICS_PORT
+CLUSTERIP_HEALTH_URL=http://127.0.0.1:$CONTROLLER_HEALTH_PORT
 CLUSTERIP_WEBHOOK_CLIENT_CA=$state/pki/ca.crt
 CLUSTERIP_WEBHOOK_CLIENT_NAME=$WEBHOOK_CLIENT_NAME
 EOF

@@ -290,12 +290,14 @@ fn deploy_tree_passes_a_server_side_dry_run() {
             .as_i64()
             .expect("containerPort")
     };
-    let (webhook_port, metrics_port) = (port_of("webhook"), port_of("metrics"));
+    let (webhook_port, metrics_port, health_port) = (port_of("webhook"), port_of("metrics"), port_of("health"));
     assert!(args.contains(&format!("--webhook-bind-address=0.0.0.0:{webhook_port}")), "{args:?}");
     assert!(args.contains(&format!("--metrics-bind-address=0.0.0.0:{metrics_port}")), "{args:?}");
+    assert!(args.contains(&format!("--health-probe-bind-address=0.0.0.0:{health_port}")), "{args:?}");
     for (probe, path) in [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz"), ("startupProbe", "/healthz")] {
         assert_eq!(c[probe]["httpGet"]["path"], path, "{probe}");
-        assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe} on the metrics port");
+        // Never the metrics port: its clients must not be able to crowd the probes out.
+        assert_eq!(c[probe]["httpGet"]["port"], "health", "{probe} on the health-probe port");
     }
     let env: BTreeMap<String, String> = c["env"]
         .as_array()
@@ -326,23 +328,29 @@ fn deploy_tree_passes_a_server_side_dry_run() {
     let grace = pod["terminationGracePeriodSeconds"].as_u64().expect("terminationGracePeriodSeconds");
     assert!(flag("shutdown-delay-duration") + flag("shutdown-drain-timeout") + 5 <= grace, "delay + drain + 5 s > {grace} s: {args:?}");
 
-    // The NetworkPolicy: on the controller pods, ingress only; the webhook port only from
-    // address blocks (the kube-apiserver is host-network: no selector can name it), never
-    // from everywhere; the metrics port open (kubelet probes, Prometheus).
+    // The NetworkPolicy: on the controller pods, ingress only; the webhook and health-probe
+    // ports only from address blocks without the pod network (the kube-apiserver and the
+    // kubelet are host-network: no selector can name them), never from everywhere; the
+    // metrics port only from the scrapers' namespace.
     let np = find(&items, "NetworkPolicy", NS, "clusterip-controller");
     assert_eq!(np["spec"]["podSelector"]["matchLabels"], deploy["spec"]["selector"]["matchLabels"]);
     assert_eq!(strings(&np["spec"]["policyTypes"]), vec!["Ingress".to_string()], "egress stays open (apiserver, etcd)");
     let rules = np["spec"]["ingress"].as_array().expect("ingress rules");
     let ports_of = |r: &Value| r["ports"].as_array().map(|ps| ps.iter().map(|p| p["port"].clone()).collect::<Vec<_>>()).unwrap_or_default();
-    let webhook_rules: Vec<&Value> = rules.iter().filter(|r| ports_of(r).contains(&Value::from("webhook"))).collect();
-    assert_eq!(webhook_rules.len(), 1, "{rules:?}");
-    let from = webhook_rules[0]["from"].as_array().expect("the webhook rule names its sources");
-    assert!(!from.is_empty(), "{from:?}");
-    for peer in from {
-        assert!(peer["ipBlock"]["cidr"].is_string() && peer.get("podSelector").is_none() && peer.get("namespaceSelector").is_none(), "{peer}");
-        assert!(!strings(&peer["ipBlock"]["except"]).is_empty(), "the pod network is left out: {peer}");
+    for port in ["webhook", "health"] {
+        let port_rules: Vec<&Value> = rules.iter().filter(|r| ports_of(r).contains(&Value::from(port))).collect();
+        assert_eq!(port_rules.len(), 1, "{port}: {rules:?}");
+        let from = port_rules[0]["from"].as_array().unwrap_or_else(|| panic!("the {port} rule names its sources"));
+        assert!(!from.is_empty(), "{from:?}");
+        for peer in from {
+            assert!(peer["ipBlock"]["cidr"].is_string() && peer.get("podSelector").is_none() && peer.get("namespaceSelector").is_none(), "{peer}");
+            assert!(!strings(&peer["ipBlock"]["except"]).is_empty(), "the pod network is left out of {port}: {peer}");
+        }
     }
-    assert!(rules.iter().any(|r| ports_of(r) == vec![Value::from("metrics")] && r.get("from").is_none()), "{rules:?}");
+    let metrics_rules: Vec<&Value> = rules.iter().filter(|r| ports_of(r).contains(&Value::from("metrics"))).collect();
+    assert_eq!(metrics_rules.len(), 1, "{rules:?}");
+    let scrapers = metrics_rules[0]["from"].as_array().expect("the metrics port is open only to its scrapers");
+    assert!(!scrapers.is_empty() && scrapers.iter().all(|p| p.get("namespaceSelector").is_some() || p.get("podSelector").is_some()), "{scrapers:?}");
     for r in rules {
         assert!(!ports_of(r).is_empty(), "a rule opening every port: {r}");
     }

@@ -10,11 +10,11 @@ mod controller_common;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clusterip::store::AllocationStore;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use controller_common::admission_client::{allowed, post_head, post_raw, review, tls_client, tls_connect};
 use controller_common::{apiserver_client_cert, client_auth_args, metric, Controller};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -109,20 +109,6 @@ fn post(port: u16, ca: &Path, caller: Caller, path: &str, body: &Path, http1: bo
     split_status(&String::from_utf8_lossy(&out.stdout))
 }
 
-/// An AdmissionReview (CREATE) of the Service `default/<name>` with `spec`.
-fn review(uid: &str, name: &str, spec: serde_json::Value) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Service"},
-            "resource": {"group": "", "version": "v1", "resource": "services"},
-            "name": name, "namespace": "default", "operation": "CREATE",
-            "userInfo": {"username": "test"}, "dryRun": false,
-            "object": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
-        }
-    })
-}
-
 /// SHA-256 fingerprint of the certificate the webhook serves now.
 fn served_fingerprint(cp: &ControlPlane, port: u16) -> String {
     let (crt, key) = apiserver_client_cert(cp);
@@ -162,37 +148,6 @@ fn issue_cert(pki: &Path, dir: &Path, tag: &str) -> (PathBuf, PathBuf) {
     issue(&pki.join("ca.crt"), &pki.join("ca.key"), dir, tag, tag, "subjectAltName = IP:127.0.0.1\nextendedKeyUsage = serverAuth\n")
 }
 
-/// A TLS client of the webhook presenting the kube-apiserver's client certificate, offering
-/// only HTTP/1.1.
-fn tls_client(cp: &ControlPlane) -> tokio_rustls::TlsConnector {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
-    let mut roots = RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(cp.dir().join("pki/ca.crt")).expect("dev CA") {
-        roots.add(c.expect("CA certificate")).expect("trust the dev CA");
-    }
-    let (crt, key) = apiserver_client_cert(cp);
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(crt).expect("client cert").collect::<Result<_, _>>().expect("client cert PEM");
-    let key = PrivateKeyDer::from_pem_file(key).expect("client key");
-    let mut cfg = ClientConfig::builder_with_provider(Arc::new(tokio_rustls::rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)
-        .expect("client certificate");
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    tokio_rustls::TlsConnector::from(Arc::new(cfg))
-}
-
-type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
-
-async fn tls_connect(connector: &tokio_rustls::TlsConnector, port: u16) -> std::io::Result<Tls> {
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("server name");
-    connector.connect(name, tcp).await
-}
-
 /// Read until the peer closes the connection (EOF or an error), for at most `limit`; true
 /// when it did. What was read is appended to `got`.
 async fn closed_within<R: tokio::io::AsyncRead + Unpin>(r: &mut R, limit: Duration, got: &mut Vec<u8>) -> bool {
@@ -205,26 +160,6 @@ async fn closed_within<R: tokio::io::AsyncRead + Unpin>(r: &mut R, limit: Durati
             Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
         }
     }
-}
-
-/// The head of an HTTP/1.1 POST to `path` with a body of `len` bytes.
-fn post_head(path: &str, len: usize) -> String {
-    format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n")
-}
-
-/// An HTTP/1.1 POST of `body` to `path` on a connection of its own: the whole answer.
-async fn post_raw(connector: &tokio_rustls::TlsConnector, port: u16, path: &str, body: &[u8]) -> std::io::Result<String> {
-    let mut s = tls_connect(connector, port).await?;
-    s.write_all(post_head(path, body.len()).as_bytes()).await?;
-    s.write_all(body).await?;
-    let mut answer = Vec::new();
-    s.read_to_end(&mut answer).await?;
-    Ok(String::from_utf8_lossy(&answer).into_owned())
-}
-
-/// Whether a raw HTTP/1.1 answer is a 200 that allows the review.
-fn allowed(answer: &str) -> bool {
-    answer.starts_with("HTTP/1.1 200") && answer.contains("\"allowed\":true")
 }
 
 #[test]

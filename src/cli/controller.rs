@@ -1,5 +1,5 @@
 //! `clusterip controller`: the control-plane Deployment's entrypoint. Serves the admission
-//! webhook over HTTPS and metrics/health over HTTP.
+//! webhook over HTTPS, metrics and the kubelet's probes over HTTP (each on its own port).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -91,10 +91,20 @@ pub struct ControllerArgs {
     #[arg(long, default_value = "10s", value_parser = parse_timeout)]
     pub webhook_read_timeout: std::time::Duration,
 
-    /// Webhook connections served at once; further connections wait in the kernel's accept
-    /// queue until one closes. The kube-apiserver needs few (it multiplexes over HTTP/2).
+    /// Webhook connections served at once. At the limit a connection without a request in
+    /// flight is closed to make room for a new one (one still in its TLS handshake first,
+    /// from the address holding the most); only when every connection has a request in
+    /// flight do new ones wait in the kernel's accept queue. The kube-apiserver needs few
+    /// (it multiplexes over HTTP/2).
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub webhook_max_connections: u32,
+
+    /// Webhook connections one client address may hold before its TLS handshake has
+    /// finished with a valid client certificate; more are closed at once. Bounds what a
+    /// client without the kube-apiserver's certificate can hold; the apiserver's own
+    /// connections finish their handshake in milliseconds.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub webhook_max_unauthenticated_connections_per_source: u32,
 
     /// The limit that the webhook gives to clients for the maximum number of streams
     /// (concurrent requests) in an HTTP/2 connection; the kube-apiserver opens another
@@ -117,16 +127,25 @@ pub struct ControllerArgs {
     pub shutdown_drain_timeout: std::time::Duration,
 
     /// How long an address the webhook answered may stay unrecorded by the kube-apiserver
-    /// before it is released: the request failed after our answer (validation, another
-    /// admission plugin, a quota) and no Service holds it. Must exceed the apiserver's
-    /// --request-timeout (60s by default), e.g. 90s.
+    /// before it is released. A create that fails after our answer (validation, another
+    /// admission plugin, a quota) frees its address at once, when the apiserver releases its
+    /// own record of it; this limit covers what never gets that far (a later mutating
+    /// webhook refused the request). Must exceed the apiserver's --request-timeout (60s by
+    /// default), e.g. 90s.
     #[arg(long, default_value = "90s", value_parser = parse_timeout)]
     pub in_flight_limit: std::time::Duration,
 
-    /// Address of the plain-HTTP endpoint for /metrics, /healthz and /readyz (port 0: as
-    /// for --webhook-bind-address).
+    /// Address of the plain-HTTP endpoint for /metrics (also /healthz and /readyz, for
+    /// people; port 0: as for --webhook-bind-address). Point the kubelet's probes at
+    /// --health-probe-bind-address instead.
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub metrics_bind_address: SocketAddr,
+
+    /// Address of the plain-HTTP endpoint for the kubelet's probes: /healthz, /livez,
+    /// /readyz. A listener of its own, so that clients of the metrics port can never crowd
+    /// the probes out (port 0: as for --webhook-bind-address).
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    pub health_probe_bind_address: SocketAddr,
 
     /// Run the reconcilers only while holding the leader Lease (every replica serves the
     /// webhook either way). Turn off only for a single replica. If the election itself fails
@@ -251,7 +270,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         BackendKind::Etcd => Arc::new(MeteredStore::new(store, metrics.clone()).with_recorded(recorded.clone())),
         BackendKind::Ipaddress => Arc::new(MeteredStore::new(store, metrics.clone())),
     };
-    let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit));
+    let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit).with_metrics(metrics.clone()));
+    // An answered address whose create fails later goes back as the apiserver releases its
+    // own record of it; the sweep below catches what that misses.
+    let _failed_creates = tokio::spawn(admission.clone().follow_records(recorded.changes()));
     // Answered addresses the apiserver never records (the request failed later) go back
     // after the in-flight limit; every replica sweeps its own.
     let _in_flight = {
@@ -275,10 +297,14 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let metrics_listener = TcpListener::bind(args.metrics_bind_address)
         .await
         .with_context(|| format!("binding metrics to {}", args.metrics_bind_address))?;
+    let probe_listener = TcpListener::bind(args.health_probe_bind_address)
+        .await
+        .with_context(|| format!("binding the health probes to {}", args.health_probe_bind_address))?;
     // (Port 0 picks a free port; this line names the ones bound.)
     let webhook_addr = webhook.local_addr().context("the webhook's bound address")?;
     let metrics_addr = metrics_listener.local_addr().context("the metrics endpoint's bound address")?;
-    info!(backend = ?args.backend.backend, ranges = %ranges.join(","), webhook = %webhook_addr, metrics = %metrics_addr, "clusterip controller started");
+    let health_addr = probe_listener.local_addr().context("the health probes' bound address")?;
+    info!(backend = ?args.backend.backend, ranges = %ranges.join(","), webhook = %webhook_addr, metrics = %metrics_addr, health = %health_addr, "clusterip controller started");
 
     // Shutdown (SIGTERM): `draining` turns /readyz to 503 at once; `stop` closes the webhook's
     // listener after --shutdown-delay-duration and drains its connections.
@@ -287,6 +313,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let limits = serve::Limits {
         read_timeout: args.webhook_read_timeout,
         max_connections: args.webhook_max_connections as usize,
+        max_unauthenticated_per_source: args.webhook_max_unauthenticated_connections_per_source as usize,
         max_streams: args.http2_max_streams_per_connection,
         ..serve::Limits::default()
     };
@@ -350,7 +377,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
             info!(lease = %lease_name, identity = %identity, leading = false, "leadership changed: reconcilers stopped");
         }
     };
-    let mut mon = tokio::spawn(super::monitoring::serve(metrics_listener, metrics.clone(), store.clone(), draining.clone()));
+    let health = super::monitoring::Health::new(store.clone(), metrics.clone(), draining.clone());
+    let mut mon = tokio::spawn(super::monitoring::serve_metrics(metrics_listener, health.clone()));
+    let mut probes = tokio::spawn(super::monitoring::serve_probes(probe_listener, health));
     // Until a signal: the reconcilers follow the election; a dead election, webhook or metrics
     // server ends the process (with the reconcilers stopped first).
     let which = {
@@ -360,6 +389,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
                 r = &mut mon => Err(match r {
                     Ok(()) => anyhow::anyhow!("metrics server stopped"),
                     Err(e) => anyhow::anyhow!("metrics server stopped: {e}"),
+                }),
+                r = &mut probes => Err(match r {
+                    Ok(()) => anyhow::anyhow!("health probe server stopped"),
+                    Err(e) => anyhow::anyhow!("health probe server stopped: {e}"),
                 }),
                 which = signals.next() => Ok(which),
             }

@@ -15,7 +15,9 @@
 //! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_request_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_bad_requests_total` | counter | operation |
-//! | `clusterip_webhook_refused_connections_total` | counter | reason (client_certificate, tls_handshake, handshake_timeout) |
+//! | `clusterip_webhook_refused_connections_total` | counter | reason (client_certificate, tls_handshake, handshake_timeout, source_limit, evicted) |
+//! | `clusterip_webhook_released_addresses_total` | counter | reason (request_failed: the apiserver recorded and released the address of a create that failed after our answer; in_flight_limit: never recorded within --in-flight-limit) |
+//! | `clusterip_http_refused_connections_total` | counter | server (metrics, health), reason (source_limit, evicted) |
 //! | `clusterip_reconcile_errors_total` | counter | controller |
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
 //! | `clusterip_repair_reconcile_errors_total` | counter | |
@@ -63,6 +65,12 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServerReasonLabels {
+    pub server: &'static str,
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub kind: &'static str,
 }
@@ -99,6 +107,8 @@ pub struct Metrics {
     pub webhook_request_duration: Family<WebhookLabels, Histogram>,
     pub webhook_bad_requests: Family<OperationLabels, Counter>,
     pub webhook_refused_connections: Family<ReasonLabels, Counter>,
+    pub http_refused_connections: Family<ServerReasonLabels, Counter>,
+    pub webhook_released_addresses: Family<ReasonLabels, Counter>,
     pub reconcile_errors: Family<ControllerLabels, Counter>,
     pub repair_ip_errors: Family<RepairLabels, Counter>,
     pub repair_reconcile_errors: Counter,
@@ -132,6 +142,8 @@ impl Metrics {
             webhook_request_duration: Family::new_with_constructor(latency_histogram),
             webhook_bad_requests: Family::default(),
             webhook_refused_connections: Family::default(),
+            http_refused_connections: Family::default(),
+            webhook_released_addresses: Family::default(),
             reconcile_errors: Family::default(),
             repair_ip_errors: Family::default(),
             repair_reconcile_errors: Counter::default(),
@@ -174,8 +186,18 @@ impl Metrics {
         web.register("bad_requests", "AdmissionReview requests rejected as malformed (HTTP 400) or whose body did not arrive in time (HTTP 408)", m.webhook_bad_requests.clone());
         web.register(
             "refused_connections",
-            "Connections to the webhook closed before any request: no valid client certificate, another TLS handshake failure, or a handshake not finished in time",
+            "Connections to the webhook closed before any request: no valid client certificate, another TLS handshake failure, a handshake not finished in time, a source holding too many unauthenticated connections, or closed idle to make room at the connection limit",
             m.webhook_refused_connections.clone(),
+        );
+        registry.sub_registry_with_prefix("webhook").register(
+            "released_addresses",
+            "Addresses the webhook answered and released because the request was never stored: request_failed (the kube-apiserver recorded the address and released it as the create failed) or in_flight_limit (not recorded within --in-flight-limit)",
+            m.webhook_released_addresses.clone(),
+        );
+        registry.sub_registry_with_prefix("http").register(
+            "refused_connections",
+            "Connections to the metrics and health-probe ports closed by their limits: a source holding too many connections, or closed idle to make room at the connection limit",
+            m.http_refused_connections.clone(),
         );
         registry.register("reconcile_errors", "Reconciliation failures, by controller", m.reconcile_errors.clone());
         let repair = registry.sub_registry_with_prefix("repair");
@@ -207,6 +229,16 @@ impl Metrics {
 
     pub fn webhook_refused_connection(&self, reason: &'static str) {
         self.webhook_refused_connections.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    pub fn webhook_released_addresses(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.webhook_released_addresses.get_or_create(&ReasonLabels { reason }).inc_by(n);
+        }
+    }
+
+    pub fn http_refused_connection(&self, server: &'static str, reason: &'static str) {
+        self.http_refused_connections.get_or_create(&ServerReasonLabels { server, reason }).inc();
     }
 
     pub fn allocation(&self, cidr: &str, scope: &'static str, ok: bool, d: Duration) {

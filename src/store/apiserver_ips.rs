@@ -14,7 +14,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, PartialObjectMeta};
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tracing::warn;
 
 use crate::k8s;
@@ -22,6 +22,21 @@ use crate::k8s;
 use super::fold::{fold, Change};
 use super::{StoreError, Unreadable};
 use crate::sync::{read, write};
+
+/// One change the watch applied to the view, in the order the apiserver made them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpChange {
+    /// An IPAddress object of this address was created (or first seen).
+    Added(IpAddr),
+    /// The IPAddress object of this address was deleted.
+    Deleted(IpAddr),
+    /// The view was listed anew: changes since the last event may have been missed.
+    Relisted,
+}
+
+/// How many changes a slow subscriber may fall behind before it misses some (it is told:
+/// `broadcast::error::RecvError::Lagged`).
+const CHANGES_BUFFER: usize = 4096;
 
 /// A watch-fed set of IPAddress names.
 #[derive(Clone)]
@@ -33,13 +48,15 @@ pub struct ApiserverIps {
     /// Counts additions (a new record, or a relist); a receiver never misses one, however
     /// busy its task was when it happened.
     added: Arc<watch::Sender<u64>>,
+    /// Every change, for subscribers that follow single addresses ([`Self::changes`]).
+    changes: broadcast::Sender<IpChange>,
     /// For reads from storage; None for a fixed view.
     api: Option<Api<IPAddress>>,
 }
 
 impl Default for ApiserverIps {
     fn default() -> Self {
-        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), api: None }
+        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), changes: broadcast::Sender::new(CHANGES_BUFFER), api: None }
     }
 }
 
@@ -52,7 +69,7 @@ impl ApiserverIps {
     pub fn start(client: kube::Client) -> (Self, watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
         let me = Self { api: Some(Api::all(client.clone())), ..Self::default() };
         let (tx, rx) = watch::channel(false);
-        let (set, bad, added) = (me.set.clone(), me.bad.clone(), me.added.clone());
+        let (set, bad, added, changes) = (me.set.clone(), me.bad.clone(), me.added.clone(), me.changes.clone());
         let task = tokio::spawn(async move {
             let api: Api<PartialObjectMeta<IPAddress>> = Api::all(client);
             // The address an object's name records, or the name that records none.
@@ -76,9 +93,13 @@ impl ApiserverIps {
                     *write(&bad) = names;
                     tx.send_replace(true);
                     added.send_modify(|n| *n += 1);
+                    let _ = changes.send(IpChange::Relisted);
                 }
                 Change::Apply(Ok(ip)) => {
-                    write(&set).insert(ip);
+                    // (An update of an object already seen is not an addition.)
+                    if write(&set).insert(ip) {
+                        let _ = changes.send(IpChange::Added(ip));
+                    }
                     added.send_modify(|n| *n += 1);
                 }
                 Change::Apply(Err(name)) => {
@@ -86,7 +107,9 @@ impl ApiserverIps {
                     write(&bad).insert(name);
                 }
                 Change::Delete(Ok(ip)) => {
-                    write(&set).remove(&ip);
+                    if write(&set).remove(&ip) {
+                        let _ = changes.send(IpChange::Deleted(ip));
+                    }
                 }
                 Change::Delete(Err(name)) => {
                     write(&bad).remove(&name);
@@ -136,6 +159,12 @@ impl ApiserverIps {
     /// Every recorded address, for seeding a backend.
     pub fn snapshot(&self) -> Vec<IpAddr> {
         read(&self.set).iter().copied().collect()
+    }
+
+    /// Every change to the view from now on, one address at a time, in the apiserver's
+    /// order (a subscriber more than 4096 behind is told it lagged). A fixed view never changes.
+    pub fn changes(&self) -> broadcast::Receiver<IpChange> {
+        self.changes.subscribe()
     }
 
     /// A receiver that sees every addition to the view from now on (`changed()` resolves

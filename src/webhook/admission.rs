@@ -18,7 +18,13 @@
 //! now (read from storage); otherwise it was held for a request that never became a stored
 //! Service (a failed or retried create) or for a Service deleted a moment ago, and it is
 //! the requester's. Addresses answered here are *in flight* until the apiserver records
-//! them; one it never records is released after [`IN_FLIGHT_LIMIT`].
+//! them for good. A create that fails after our answer holds nothing afterwards, as in stock
+//! Kubernetes: the apiserver records the address as the create begins (its IPAddress
+//! object, before validation, validating admission, quotas and the write) and deletes that
+//! record when the create fails; seeing both, in that order, after our answer, we release
+//! the address at once ([`Admission::follow_records`]). One the apiserver never records
+//! (a later mutating webhook refused the request, or the watch missed the pair) is
+//! released after [`IN_FLIGHT_LIMIT`].
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -30,12 +36,14 @@ use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
 use kube::core::response::{StatusCause, StatusDetails, StatusSummary};
 use kube::core::Status;
 use serde_json::json;
+use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
 use crate::alloc::AllocError;
 use crate::cidr::Family;
 use crate::k8s::service;
-use crate::store::apiserver_ips::ApiserverIps;
+use crate::metrics::Metrics;
+use crate::store::apiserver_ips::{ApiserverIps, IpChange};
 use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::clusterips::{self, Decision, FieldError, Plan, Want};
@@ -49,11 +57,14 @@ const MAX_SKIPPED: usize = 64;
 /// timeout, `--request-timeout`, 60 s by default), with a margin.
 pub const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(90);
 
-/// An address this replica answered that the apiserver has not recorded yet.
+/// An address this replica answered that the apiserver has not recorded for good yet.
 #[derive(Clone, Debug)]
 struct InFlight {
     parent: ParentRef,
     since: Instant,
+    /// The apiserver's record of it was seen created after this answer: its deletion now
+    /// means the request failed (or the Service was deleted), and frees the address.
+    recorded: bool,
 }
 
 /// The admission handlers, sharing one allocation store.
@@ -65,6 +76,7 @@ pub struct Admission {
     in_flight: Mutex<HashMap<IpAddr, InFlight>>,
     /// How long an unrecorded answer is kept before its address is released.
     in_flight_limit: Duration,
+    metrics: Option<Arc<Metrics>>,
 }
 
 /// What one sweep of the in-flight addresses did.
@@ -209,7 +221,19 @@ fn keeps(plan: &Plan, held: &[IpAddr]) -> bool {
 
 impl Admission {
     pub fn new(store: Arc<dyn AllocationStore>, recorded: Option<ApiserverIps>) -> Self {
-        Self { store, recorded, in_flight: Mutex::default(), in_flight_limit: IN_FLIGHT_LIMIT }
+        Self { store, recorded, in_flight: Mutex::default(), in_flight_limit: IN_FLIGHT_LIMIT, metrics: None }
+    }
+
+    /// Counting released addresses in `clusterip_webhook_released_addresses_total`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    fn count_released(&self, reason: &'static str, n: usize) {
+        if let Some(m) = &self.metrics {
+            m.webhook_released_addresses(reason, n as u64);
+        }
     }
 
     /// With another in-flight limit (tests).
@@ -261,7 +285,55 @@ impl Admission {
         let now = Instant::now();
         let mut f = lock(&self.in_flight);
         for ip in ips {
-            f.insert(*ip, InFlight { parent: parent.clone(), since: now });
+            f.insert(*ip, InFlight { parent: parent.clone(), since: now, recorded: false });
+        }
+    }
+
+    /// Release at once what a failed request held (module docs): an address answered here
+    /// whose IPAddress record the apiserver created after our answer and then deleted. A
+    /// deletion counts only after such a creation, so an earlier holder's deletion arriving
+    /// late never frees an address that a request still in flight was given. Changes the
+    /// subscription missed (it lagged, or the watch listed anew) leave their addresses to
+    /// [`Self::sweep_in_flight`]. Runs until the view's watch ends.
+    pub async fn follow_records(self: Arc<Self>, mut changes: broadcast::Receiver<IpChange>) {
+        loop {
+            let ip = match changes.recv().await {
+                Ok(IpChange::Added(ip)) => {
+                    if let Some(e) = lock(&self.in_flight).get_mut(&ip) {
+                        e.recorded = true;
+                    }
+                    continue;
+                }
+                Ok(IpChange::Deleted(ip)) => ip,
+                Ok(IpChange::Relisted) => continue,
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    debug!(missed, "fell behind the IPAddress watch; answers whose request failed meanwhile are released after the in-flight limit");
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            let Some(entry) = lock(&self.in_flight).get(&ip).filter(|e| e.recorded).cloned() else { continue };
+            match self.store.release_owned(ip, &entry.parent).await {
+                Ok(()) => {
+                    debug!(%ip, service = %entry.parent, "released an address whose create failed after our answer (the apiserver released its record)");
+                    self.count_released("request_failed", 1);
+                }
+                Err(StoreError::NotOwner { .. }) => {}
+                Err(e) => {
+                    warn!(%ip, error = %e, "could not release an address whose create failed; it goes after the in-flight limit");
+                    continue;
+                }
+            }
+            self.forget_if_unchanged(ip, &entry);
+        }
+    }
+
+    /// Drop `ip`'s in-flight entry, unless answered again meanwhile (a retry of the same
+    /// Service).
+    fn forget_if_unchanged(&self, ip: IpAddr, entry: &InFlight) {
+        let mut f = lock(&self.in_flight);
+        if f.get(&ip).is_some_and(|e| e.since == entry.since) {
+            f.remove(&ip);
         }
     }
 
@@ -270,18 +342,20 @@ impl Admission {
         lock(&self.in_flight).len()
     }
 
-    /// Settle what the apiserver has recorded; release what it has not recorded within the
-    /// in-flight limit (the request failed: validation, another admission plugin, quota,
-    /// a timeout), after reading from storage that it still does not.
+    /// Past the in-flight limit: settle what the apiserver records (the Service was
+    /// stored); release what it does not (the request failed and [`Self::follow_records`]
+    /// did not see it), after reading from storage that it still does not. Younger answers
+    /// wait: their record may still be created, or deleted by a failing create.
     pub async fn sweep_in_flight(&self) -> SweepResult {
         let now = Instant::now();
         let mut result = SweepResult::default();
         let candidates: Vec<(IpAddr, InFlight)> = {
             let mut f = lock(&self.in_flight);
             let before = f.len();
-            f.retain(|ip, _| !self.recorded_elsewhere(*ip));
+            let old = |e: &InFlight| now.saturating_duration_since(e.since) >= self.in_flight_limit;
+            f.retain(|ip, e| !(old(e) && self.recorded_elsewhere(*ip)));
             result.settled = before - f.len();
-            f.iter().filter(|(_, e)| now.saturating_duration_since(e.since) >= self.in_flight_limit).map(|(ip, e)| (*ip, e.clone())).collect()
+            f.iter().filter(|(_, e)| old(e)).map(|(ip, e)| (*ip, e.clone())).collect()
         };
         for (ip, entry) in candidates {
             let done = match self.recorded_now(ip).await {
@@ -307,14 +381,11 @@ impl Admission {
                 }
             };
             if done {
-                let mut f = lock(&self.in_flight);
-                // Unless answered again meanwhile (a retry of the same Service).
-                if f.get(&ip).is_some_and(|e| e.since == entry.since) {
-                    f.remove(&ip);
-                }
+                self.forget_if_unchanged(ip, &entry);
             }
         }
         result.waiting = self.in_flight();
+        self.count_released("in_flight_limit", result.released.len());
         result
     }
 
@@ -704,6 +775,54 @@ mod tests {
         let swept = adm.sweep_in_flight().await;
         assert_eq!((swept.released.len(), swept.waiting), (0, 1), "{swept:?}");
         assert!(store.has(ip).await.expect("has"));
+    }
+
+    #[tokio::test]
+    async fn a_create_that_fails_after_our_answer_frees_its_address_when_the_apiserver_releases_its_record() {
+        let (adm, store) = admission_recording(&[]);
+        let adm = Arc::new(adm.with_in_flight_limit(std::time::Duration::from_secs(3600)));
+        let (tx, rx) = broadcast::channel(16);
+        let follower = tokio::spawn(adm.clone().follow_records(rx));
+        let answer = |adm: Arc<Admission>| async move {
+            let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
+            value(&patched(&resp), "/spec/clusterIP").as_str().expect("clusterIP").parse::<IpAddr>().expect("ip")
+        };
+        let ip = answer(adm.clone()).await;
+        // A deletion not preceded by a creation after our answer (an earlier holder's, seen
+        // late) frees nothing: the request may still be stored.
+        tx.send(IpChange::Deleted(ip)).expect("send");
+        // The apiserver records it as the create begins, then the create fails.
+        tx.send(IpChange::Added(ip)).expect("send");
+        tx.send(IpChange::Deleted(ip)).expect("send");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.has(ip).await.expect("has") {
+            assert!(Instant::now() < deadline, "{ip} still held after the apiserver released its record");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(adm.in_flight(), 0);
+        // A create that succeeds stays held.
+        let kept = answer(adm.clone()).await;
+        tx.send(IpChange::Added(kept)).expect("send");
+        drop(tx);
+        follower.await.expect("follower ends with the watch");
+        assert!(store.has(kept).await.expect("has"));
+        assert_eq!(adm.in_flight(), 1, "settled by the sweep after the limit, not before");
+    }
+
+    #[tokio::test]
+    async fn an_early_deletion_does_not_free_an_address_answered_after_it() {
+        let (adm, store) = admission_recording(&[]);
+        let adm = Arc::new(adm.with_in_flight_limit(std::time::Duration::from_secs(3600)));
+        let (tx, rx) = broadcast::channel(16);
+        let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
+        let ip: IpAddr = value(&patched(&resp), "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
+        for change in [IpChange::Deleted(ip), IpChange::Relisted, IpChange::Deleted(ip)] {
+            tx.send(change).expect("send");
+        }
+        drop(tx);
+        adm.clone().follow_records(rx).await;
+        assert!(store.has(ip).await.expect("has"), "freed by deletions not preceded by a creation after the answer");
+        assert_eq!(adm.in_flight(), 1);
     }
 
     fn create(spec: Value) -> AdmissionRequest<Service> {

@@ -12,6 +12,8 @@
 
 #![allow(dead_code)]
 
+pub mod admission_client;
+
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -77,12 +79,14 @@ pub struct Controller {
     child: Child,
     pub webhook_port: u16,
     pub metrics_port: u16,
+    /// The kubelet's probes: /healthz, /livez, /readyz.
+    pub health_port: u16,
     dir: PathBuf,
 }
 
 impl Controller {
-    /// `clusterip controller` with `args` (everything but the two bind addresses, which are
-    /// 127.0.0.1:0), once it has bound its ports (not yet ready: see [`wait_ready`]).
+    /// `clusterip controller` with `args` (everything but the three bind addresses, which
+    /// are 127.0.0.1:0), once it has bound its ports (not yet ready: see [`wait_ready`]).
     pub fn start<I, S>(args: I) -> Controller
     where
         I: IntoIterator<Item = S>,
@@ -95,19 +99,20 @@ impl Controller {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_clusterip"));
         cmd.arg("controller")
             .args(args)
-            .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
+            .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0", "--health-probe-bind-address", "127.0.0.1:0"])
             .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::controller::leader=info,clusterip::serve=info,clusterip::store::etcd=info,clusterip::repair=info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(file);
         let child = die_with_parent(&mut cmd).spawn().expect("start clusterip controller");
-        let mut c = Controller { child, webhook_port: 0, metrics_port: 0, dir };
+        let mut c = Controller { child, webhook_port: 0, metrics_port: 0, health_port: 0, dir };
         let deadline = Instant::now() + Duration::from_secs(180);
         loop {
             let text = c.log();
             if let Some(line) = text.lines().find(|l| l.contains(STARTED)) {
                 c.webhook_port = port_of(line, "webhook=");
                 c.metrics_port = port_of(line, "metrics=");
+                c.health_port = port_of(line, "health=");
                 return c;
             }
             if let Ok(Some(status)) = c.child.try_wait() {
@@ -155,11 +160,11 @@ impl Controller {
         let _ = self.child.wait();
     }
 
-    /// Wait until GET /readyz on the metrics port answers 200.
+    /// Wait until GET /readyz on the health-probe port answers 200.
     pub async fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            if let Some((200, _)) = local_get(self.metrics_port, "/readyz").await {
+            if let Some((200, _)) = local_get(self.health_port, "/readyz").await {
                 return;
             }
             assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", self.log());

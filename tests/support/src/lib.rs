@@ -16,10 +16,12 @@
 //! reap finds those whose process is gone.
 //!
 //! The one home of what the test binaries (controller and agent) and the benches share:
-//! waiting ([`poll`]), addresses and a plain HTTP GET ([`net`]), fuzz corpus replay
+//! waiting ([`poll`]), addresses and a plain HTTP GET ([`net`]), a hostile tenant's
+//! connections ([`attack`]), fuzz corpus replay
 //! ([`fuzz`]), network namespaces and their setup commands ([`netns`]), and child-process
 //! guards ([`die_with_parent`]).
 
+pub mod attack;
 pub mod fuzz;
 pub mod net;
 pub mod netns;

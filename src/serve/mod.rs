@@ -10,9 +10,16 @@
 //!   request in flight is closed (GOAWAY) after `read_timeout` before its first request
 //!   and after [`Limits::idle_timeout`] later;
 //! - send a body slowly: the handler bounds its own body read (the webhook answers 408);
-//! - open connections without end: at [`Limits::max_connections`] the loop stops accepting
-//!   and new connections wait in the kernel's backlog; HTTP/2 streams per connection are
-//!   capped at [`Limits::max_streams`], header blocks at [`Limits::max_header_bytes`];
+//! - hold many connections: a source address may hold at most
+//!   [`Limits::max_unauthenticated_per_source`] connections that have not proven who they
+//!   are (a TLS handshake in progress; every connection of a plain-HTTP server), further
+//!   ones are closed at once; at [`Limits::max_connections`] an idle connection (no request
+//!   in flight; unauthenticated first, from the source holding the most) is closed to make
+//!   room for the newcomer ([`book`]), and only when every connection has a request in
+//!   flight do new ones wait in the kernel's backlog. So idle or half-open connections,
+//!   however many, never keep the kubelet's probe or the kube-apiserver out;
+//! - send many requests at once: HTTP/2 streams per connection are capped at
+//!   [`Limits::max_streams`], header blocks at [`Limits::max_header_bytes`];
 //! - make accept() fail (EMFILE, ENFILE, ENOBUFS): the error is logged and the loop backs
 //!   off (10 ms doubling to 1 s) instead of spinning.
 //!
@@ -21,11 +28,13 @@
 //! HTTP/2: GOAWAY, open streams complete), and [`serve`] returns when all are done or
 //! `drain_timeout` has passed, whichever is first; what is left is dropped.
 
+mod book;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,10 +44,11 @@ use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
 use crate::sync::lock;
+use book::{Admission, Book, Slot};
 
 /// What one client may hold and for how long.
 #[derive(Clone, Copy, Debug)]
@@ -49,8 +59,12 @@ pub struct Limits {
     /// A connection with no request in flight for this long (after its first request) is
     /// closed.
     pub idle_timeout: Duration,
-    /// Connections served at once; more wait in the kernel's accept queue.
+    /// Connections served at once; at the cap an idle one is closed for a newcomer (module
+    /// docs), and only when none is idle do newcomers wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// Connections one source address may hold before it has authenticated (TLS handshake
+    /// in progress; on a plain-HTTP server, all of its connections); more are closed at once.
+    pub max_unauthenticated_per_source: usize,
     /// HTTP/2 streams (requests) in flight on one connection.
     pub max_streams: u32,
     /// Largest request header block (HTTP/1.1 read buffer, HTTP/2 header list).
@@ -65,6 +79,7 @@ impl Default for Limits {
             // normally closes first.
             idle_timeout: Duration::from_secs(120),
             max_connections: 1024,
+            max_unauthenticated_per_source: 64,
             max_streams: 250,
             max_header_bytes: 64 * 1024,
         }
@@ -97,6 +112,10 @@ pub enum Refusal {
     Handshake,
     /// The handshake did not finish within the read timeout.
     HandshakeTimeout,
+    /// Its source already held as many unauthenticated connections as it may.
+    SourceLimit,
+    /// Closed without a request in flight to make room for a newcomer at the connection cap.
+    Evicted,
 }
 
 impl Refusal {
@@ -105,11 +124,13 @@ impl Refusal {
             Refusal::ClientCertificate => "client_certificate",
             Refusal::Handshake => "tls_handshake",
             Refusal::HandshakeTimeout => "handshake_timeout",
+            Refusal::SourceLimit => "source_limit",
+            Refusal::Evicted => "evicted",
         }
     }
 }
 
-/// Where refused connections are counted (the webhook's metrics), called once per refusal.
+/// Where closed connections are counted (metrics), called once per [`Refusal`].
 pub type OnRefusal = Arc<dyn Fn(Refusal) + Send + Sync>;
 
 /// One HTTP server: plain or TLS, and what it is called in logs.
@@ -158,26 +179,14 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 /// Serve until `stop` turns true, then drain for at most `drain_timeout` (module docs).
 pub async fn serve<H: Handler>(listener: TcpListener, server: Server<H>, mut stop: watch::Receiver<bool>, drain_timeout: Duration) {
     let server = Arc::new(server);
-    let slots = Arc::new(Semaphore::new(server.limits.max_connections));
+    let book = Book::new(server.limits.max_connections, server.limits.max_unauthenticated_per_source);
     let full = Throttled::new(Duration::from_secs(10));
     let refused = Arc::new(Throttled::new(Duration::from_secs(10)));
     let mut backoff = Duration::ZERO;
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, server = server.name, "serving");
     }
-    loop {
-        if slots.available_permits() == 0 {
-            if let Some(held) = full.due() {
-                warn!(server = server.name, limit = server.limits.max_connections, held_back = held, "connection limit reached; new connections wait until one closes");
-            }
-        }
-        let slot = tokio::select! {
-            s = slots.clone().acquire_owned() => match s {
-                Ok(s) => s,
-                Err(_) => break, // (never closed)
-            },
-            _ = stopped(&mut stop) => break,
-        };
+    'accept: loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = stopped(&mut stop) => break,
@@ -197,36 +206,82 @@ pub async fn serve<H: Handler>(listener: TcpListener, server: Server<H>, mut sto
                 }
             }
         };
+        let slot = loop {
+            match book.admit(peer.ip()) {
+                Admission::Admitted { slot, evicted } => {
+                    if evicted {
+                        server.count(Refusal::Evicted);
+                    }
+                    break slot;
+                }
+                Admission::SourceFull => {
+                    debug!(server = server.name, %peer, limit = server.limits.max_unauthenticated_per_source, "closed a connection: its source holds as many unauthenticated connections as it may");
+                    server.count(Refusal::SourceLimit);
+                    continue 'accept;
+                }
+                Admission::Full => {
+                    // Every connection has a request in flight (each bounded in time): this
+                    // one waits for the first to end, the rest in the kernel's backlog.
+                    if let Some(held) = full.due() {
+                        warn!(server = server.name, limit = server.limits.max_connections, held_back = held, "connection limit reached with a request in flight on every connection; new connections wait");
+                    }
+                    tokio::select! {
+                        _ = book.changed() => {}
+                        _ = stopped(&mut stop) => break 'accept,
+                    }
+                }
+            }
+        };
         let _ = tcp.set_nodelay(true);
         let (server, stop, refused) = (server.clone(), stop.clone(), refused.clone());
         tokio::spawn(async move {
-            connection(&server, tcp, peer, stop, drain_timeout, &refused).await;
+            connection(&server, tcp, peer, &slot, stop, drain_timeout, &refused).await;
             drop(slot);
         });
     }
     // Stop accepting: from here new connections are refused by the kernel.
     drop(listener);
-    let open = server.limits.max_connections - slots.available_permits();
-    info!(server = server.name, open, "stopped accepting; finishing the requests in flight");
-    let all = u32::try_from(server.limits.max_connections).unwrap_or(u32::MAX);
-    let drained = tokio::time::timeout(drain_timeout, slots.acquire_many(all)).await.is_ok();
+    info!(server = server.name, open = book.open(), "stopped accepting; finishing the requests in flight");
+    let drained = tokio::time::timeout(drain_timeout, async {
+        while book.open() > 0 {
+            book.changed().await;
+        }
+    })
+    .await
+    .is_ok();
     if drained {
         info!(server = server.name, "all connections finished");
     } else {
-        let left = server.limits.max_connections - slots.available_permits();
-        warn!(server = server.name, left, ?drain_timeout, "connections still open after the drain timeout; dropping them");
+        warn!(server = server.name, left = book.open(), ?drain_timeout, "connections still open after the drain timeout; dropping them");
     }
 }
 
-async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: SocketAddr, stop: watch::Receiver<bool>, drain_timeout: Duration, refused: &Throttled) {
+impl<H> Server<H> {
+    fn count(&self, why: Refusal) {
+        if let Some(count) = &self.on_refusal {
+            count(why);
+        }
+    }
+}
+
+async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: SocketAddr, slot: &Slot, stop: watch::Receiver<bool>, drain_timeout: Duration, refused: &Throttled) {
     let limits = server.limits;
     let Some(acceptor) = &server.tls else {
-        return http(server, tcp, false, peer, stop, drain_timeout).await;
+        return http(server, tcp, false, peer, slot, stop, drain_timeout).await;
     };
-    let refusal = match tokio::time::timeout(limits.read_timeout, acceptor.accept(tcp)).await {
+    let handshake = tokio::select! {
+        h = tokio::time::timeout(limits.read_timeout, acceptor.accept(tcp)) => h,
+        _ = slot.evicted() => {
+            debug!(server = server.name, %peer, "closed a connection in its TLS handshake to make room for a new one");
+            return;
+        }
+    };
+    let refusal = match handshake {
         Ok(Ok(tls)) => {
+            // (The handshake verified the client certificate: ClientAuth in webhook::tls.)
+            slot.authenticated();
             let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-            return http(server, tls, h2, peer, stop, drain_timeout).await;
+            return http(server, tls, h2, peer, slot, stop, drain_timeout).await;
         }
         Ok(Err(e)) => {
             let rustls_error = e.get_ref().and_then(|i| i.downcast_ref::<tokio_rustls::rustls::Error>());
@@ -250,44 +305,7 @@ async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: Socket
             Refusal::HandshakeTimeout
         }
     };
-    if let Some(count) = &server.on_refusal {
-        count(refusal);
-    }
-}
-
-/// Requests in flight on one connection, and since when it has had none.
-struct Activity {
-    in_flight: AtomicUsize,
-    since: Mutex<(Instant, bool)>, // (last change, any request seen)
-}
-
-impl Activity {
-    fn begin(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        let mut s = lock(&self.since);
-        *s = (Instant::now(), true);
-        InFlight(self.clone())
-    }
-
-    /// When the connection counts as idle, if no request starts before then; None while a
-    /// request is in flight.
-    fn idle_at(&self, limits: &Limits) -> Option<Instant> {
-        if self.in_flight.load(Ordering::SeqCst) > 0 {
-            return None;
-        }
-        let (since, seen) = *lock(&self.since);
-        Some(since + if seen { limits.idle_timeout } else { limits.read_timeout })
-    }
-}
-
-struct InFlight(Arc<Activity>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut s = lock(&self.0.since);
-        *s = (Instant::now(), true);
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
+    server.count(refusal);
 }
 
 /// hyper's HTTP/1.1 and HTTP/2 server connections, driven alike.
@@ -322,15 +340,14 @@ where
     }
 }
 
-async fn http<H, IO>(server: &Server<H>, io: IO, h2: bool, peer: SocketAddr, stop: watch::Receiver<bool>, drain_timeout: Duration)
+async fn http<H, IO>(server: &Server<H>, io: IO, h2: bool, peer: SocketAddr, slot: &Slot, stop: watch::Receiver<bool>, drain_timeout: Duration)
 where
     H: Handler,
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let limits = server.limits;
-    let activity = Arc::new(Activity { in_flight: AtomicUsize::new(0), since: Mutex::new((Instant::now(), false)) });
     let svc = {
-        let (handler, activity) = (server.handler.clone(), activity.clone());
+        let (handler, activity) = (server.handler.clone(), slot.activity.clone());
         hyper::service::service_fn(move |req| {
             let guard = activity.begin();
             let answer = handler.clone().call(req);
@@ -352,27 +369,29 @@ where
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(20))
             .serve_connection(io, svc);
-        drive(conn, &activity, &limits, stop, drain_timeout).await
+        drive(conn, slot, &limits, stop, drain_timeout).await
     } else {
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.read_timeout)
             .max_buf_size(limits.max_header_bytes.max(8192))
             .serve_connection(io, svc);
-        drive(conn, &activity, &limits, stop, drain_timeout).await
+        drive(conn, slot, &limits, stop, drain_timeout).await
     };
     if let Err(e) = result {
         debug!(server = server.name, %peer, error = %e, "connection ended with an error");
     }
 }
 
-/// Run a connection until it ends; ask it to finish when it is idle too long or the server
-/// stops, and drop it if it has not finished by the deadline that follows.
-async fn drive<C: Graceful>(conn: C, activity: &Activity, limits: &Limits, mut stop: watch::Receiver<bool>, drain_timeout: Duration) -> hyper::Result<()> {
+/// Run a connection until it ends; ask it to finish when it is idle too long, the server
+/// stops or the book makes room with it (a request in flight is still answered), and drop
+/// it if it has not finished by the deadline that follows.
+async fn drive<C: Graceful>(conn: C, slot: &Slot, limits: &Limits, mut stop: watch::Receiver<bool>, drain_timeout: Duration) -> hyper::Result<()> {
+    let activity = &slot.activity;
     tokio::pin!(conn);
     let mut closing: Option<tokio::time::Instant> = None;
     loop {
-        let idle_at = activity.idle_at(limits).map(tokio::time::Instant::from_std);
+        let idle_at = activity.idle_at(limits.read_timeout, limits.idle_timeout).map(tokio::time::Instant::from_std);
         // (While a request is in flight, look again after a while: it may finish.)
         let check_at = idle_at.unwrap_or_else(|| tokio::time::Instant::now() + limits.read_timeout);
         tokio::select! {
@@ -381,8 +400,15 @@ async fn drive<C: Graceful>(conn: C, activity: &Activity, limits: &Limits, mut s
                 conn.as_mut().begin_shutdown();
                 closing = Some(tokio::time::Instant::now() + drain_timeout);
             }
+            _ = slot.evicted(), if closing.is_none() => {
+                if !activity.busy() {
+                    return Ok(());
+                }
+                conn.as_mut().begin_shutdown();
+                closing = Some(tokio::time::Instant::now() + limits.read_timeout);
+            }
             _ = tokio::time::sleep_until(check_at), if closing.is_none() => {
-                if activity.idle_at(limits).is_some_and(|t| t <= Instant::now()) {
+                if activity.idle_at(limits.read_timeout, limits.idle_timeout).is_some_and(|t| t <= Instant::now()) {
                     conn.as_mut().begin_shutdown();
                     closing = Some(tokio::time::Instant::now() + limits.read_timeout);
                 }
@@ -415,18 +441,5 @@ mod tests {
         assert_eq!(t.due(), None);
         *t.last.lock().unwrap() = Some(Instant::now() - Duration::from_secs(7200));
         assert_eq!(t.due(), Some(2));
-    }
-
-    #[test]
-    fn a_connection_is_idle_after_the_read_timeout_before_its_first_request_and_the_idle_timeout_after() {
-        let limits = Limits { read_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(60), ..Limits::default() };
-        let a = Arc::new(Activity { in_flight: AtomicUsize::new(0), since: Mutex::new((Instant::now(), false)) });
-        let first = a.idle_at(&limits).expect("idle");
-        assert!(first <= Instant::now() + Duration::from_secs(5));
-        let req = a.begin();
-        assert_eq!(a.idle_at(&limits), None, "a request in flight");
-        drop(req);
-        let later = a.idle_at(&limits).expect("idle again");
-        assert!(later >= Instant::now() + Duration::from_secs(50));
     }
 }

@@ -149,10 +149,10 @@ async fn pinning(kubeconfig: &str, metrics: u16, seconds: u64) -> anyhow::Result
     }
     let text = local_get(metrics, "/metrics").await.map(|(_, b)| b).unwrap_or_default();
     println!(
-        "RESULT tenant_pinning seconds={seconds} invalid_creates={} valid_creates={valid} refused_range_full={full} refused_other={} released_request_failed={} released_in_flight_limit={} target_refused_range_full=0",
+        "RESULT tenant_pinning seconds={seconds} invalid_creates={} valid_creates={valid} refused_range_full={full} refused_other={} released_apiserver_released={} released_in_flight_limit={} target_refused_range_full=0",
         invalid_sent.load(Ordering::Relaxed),
         other.len(),
-        metric(&text, "clusterip_webhook_released_addresses_total{reason=\"request_failed\"}"),
+        metric(&text, "clusterip_webhook_released_addresses_total{reason=\"apiserver_released\"}"),
         metric(&text, "clusterip_webhook_released_addresses_total{reason=\"in_flight_limit\"}"),
     );
     for e in other.iter().take(5) {

@@ -53,11 +53,10 @@ for scenario in $scenarios; do
   kubeconfig=$CLUSTERIP_CLUSTER_DIR/kubeconfig
   # The apiserver picks webhook configurations up asynchronously: wait until a probe Service
   # gets one of the controller's addresses.
-  case $scenario in pinning) ours='198.19.200.*' ;; *) ours='198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*' ;; esac
+  case $scenario in pinning) ours='^198\.19\.200\.' ;; *) ours='^198\.19\.([0-9]|[0-9][0-9]|1[01][0-9]|12[0-7])\.' ;; esac
   for _ in $(seq 1 100); do
     ip=$(scripts/kubectl.sh --kubeconfig "$kubeconfig" create service clusterip "probe-$RANDOM" --tcp=80 -o jsonpath='{.spec.clusterIP}' 2>/dev/null || true)
-    # shellcheck disable=SC2254
-    case "$ip" in $ours) break ;; esac
+    [[ $ip =~ $ours ]] && break
     sleep 0.2
   done
   case $scenario in

@@ -22,7 +22,9 @@ pub mod fuzzing;
 pub mod k8s;
 pub mod metrics;
 pub mod repair;
-pub mod serve;
+/// HTTP serving with limits on what one client may hold (the `clusterip-serve` crate, shared
+/// with the node agent).
+pub use clusterip_serve as serve;
 pub mod store;
 pub mod sync;
 pub mod telemetry;

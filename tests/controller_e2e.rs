@@ -697,7 +697,7 @@ async fn concurrent_creates(backend: &str, n: usize, slice: Slice) {
 /// fails its validation) pins no address (docs/reliability.md, "Tenants"): on a range of 30
 /// addresses, six rounds of ten failing creates — twice the range — each round's addresses
 /// released once the apiserver has released its own records of them (counted in
-/// `clusterip_webhook_released_addresses_total{reason="request_failed"}`), and a valid
+/// `clusterip_webhook_released_addresses_total{reason="apiserver_released"}`), and a valid
 /// create after every round gets an address. Stock Kubernetes frees a failed create's
 /// address at once; before, each held its address here for the in-flight limit (90 s) and
 /// the range was full after 30.
@@ -710,7 +710,7 @@ async fn failed_creates_pin_nothing(backend: &str, slice: Slice) {
         let port = c.metrics_port;
         async move {
             let text = clusterip_test_support::local_get(port, "/metrics").await.map(|(_, b)| b).unwrap_or_default();
-            controller_common::metric(&text, "clusterip_webhook_released_addresses_total{reason=\"request_failed\"}").unwrap_or(0.0) as usize
+            controller_common::metric(&text, "clusterip_webhook_released_addresses_total{reason=\"apiserver_released\"}").unwrap_or(0.0) as usize
         }
     };
     let mut failed = 0;

@@ -211,8 +211,14 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
     );
 
     assert_eq!(http_get(c.metrics_port, "/healthz"), (200, "ok".to_string()));
+    assert_eq!(http_get(c.health_port, "/readyz"), (200, "ok".to_string()));
     let (code, metrics) = http_get(c.metrics_port, "/metrics");
     assert_eq!(code, 200);
+    // The body is OpenMetrics text (it ends in `# EOF`), and says so: Prometheus 3 refuses a
+    // scrape without a Content-Type it knows.
+    assert!(metrics.trim_end().ends_with("# EOF"), "{metrics}");
+    let out = Command::new("curl").args(["-s", "-o", "/dev/null", "-w", "%{content_type}", &format!("http://127.0.0.1:{}/metrics", c.metrics_port)]).output().expect("curl");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "application/openmetrics-text; version=1.0.0; charset=utf-8");
     assert!(metrics.contains("clusterip_webhook_bad_requests_total{operation=\"mutate\"} 5"), "{metrics}");
     for name in [
         "clusterip_allocator_allocated_ips",

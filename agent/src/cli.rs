@@ -199,7 +199,7 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
             }
             _ => Response::new(404, "text/plain", "not found\n"),
         });
-        let addr = http::serve(&args.healthz_bind_address, handler)
+        let addr = http::serve("healthz", &args.healthz_bind_address, handler)
             .await
             .map_err(|source| AgentError::Listen { addr: args.healthz_bind_address.clone(), source })?;
         tracing::info!(%addr, "healthz listening");
@@ -210,7 +210,7 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
             "/metrics" => Response::new(200, "application/openmetrics-text; version=1.0.0; charset=utf-8", s.metrics.encode()),
             _ => Response::new(404, "text/plain", "not found\n"),
         });
-        let addr = http::serve(&args.metrics_bind_address, handler)
+        let addr = http::serve("metrics", &args.metrics_bind_address, handler)
             .await
             .map_err(|source| AgentError::Listen { addr: args.metrics_bind_address.clone(), source })?;
         tracing::info!(%addr, "metrics listening");

@@ -1,5 +1,10 @@
-//! A minimal HTTP/1.1 server for `/healthz`, `/livez` and `/metrics` (GET only, one
-//! request per connection): enough for probes and Prometheus, with no framework.
+//! The agent's plain-HTTP endpoints — `/healthz` and `/livez` (10256), `/metrics`, and the
+//! per-Service health-check node ports that external load balancers probe — served by
+//! [`clusterip_serve`], the controller's server: hyper, with the same limits on what one
+//! client may hold (per-source and total connection caps, idle connections closed to make
+//! room, header and idle timeouts, accept back-off; [`limits`]).
+//!
+//! A handler answers a path (GET and HEAD only) from memory; it never waits.
 
 #![forbid(unsafe_code)]
 
@@ -7,8 +12,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use clusterip_serve::{Limits, Server};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, StatusCode};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 /// An HTTP response.
 #[derive(Debug, Clone)]
@@ -29,73 +38,110 @@ impl Response {
 /// Handler: request path → response.
 pub type Handler = Arc<dyn Fn(&str) -> Response + Send + Sync>;
 
-fn reason(code: u16) -> &'static str {
-    match code {
-        200 => "OK",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        503 => "Service Unavailable",
-        _ => "",
+/// What one client may hold on the agent's ports: load balancers and probes open few
+/// connections (one per check), so a source holding more than a few is not one of them.
+pub fn limits() -> Limits {
+    Limits {
+        read_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(5),
+        max_connections: 256,
+        max_unauthenticated_per_source: 16,
+        ..Limits::default()
     }
 }
 
-/// Bind `addr` and serve in the background; returns the bound address.
-pub async fn serve(addr: &str, handler: Handler) -> std::io::Result<SocketAddr> {
+/// The hyper response for `req`, from `handler`.
+fn answer(handler: &Handler, req: &Request<Incoming>) -> hyper::Response<Full<Bytes>> {
+    let head = req.method() == Method::HEAD;
+    let resp = if req.method() == Method::GET || head {
+        handler(req.uri().path())
+    } else {
+        Response::new(405, "text/plain", "method not allowed\n")
+    };
+    let mut builder = hyper::Response::builder()
+        .status(StatusCode::from_u16(resp.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+        .header(hyper::header::CONTENT_TYPE, resp.content_type)
+        .header("X-Content-Type-Options", "nosniff");
+    for (k, v) in &resp.headers {
+        builder = builder.header(*k, v.as_str());
+    }
+    // (HEAD: hyper sends the length of the body it would have sent, and no body.)
+    let body = if head { Bytes::new() } else { Bytes::from(resp.body) };
+    builder.body(Full::new(body)).unwrap_or_else(|_| {
+        let mut r = hyper::Response::new(Full::new(Bytes::from_static(b"bad response header\n")));
+        *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+        r
+    })
+}
+
+/// Bind `addr` and serve in the background for as long as the process runs; returns the
+/// bound address.
+pub async fn serve(name: &'static str, addr: &str, handler: Handler) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    tokio::spawn(serve_listener(listener, handler));
+    let (keep, stop) = watch::channel(false);
+    tokio::spawn(async move {
+        serve_listener(name, listener, handler, stop).await;
+        drop(keep);
+    });
     Ok(local)
 }
 
-/// Serve on an already bound listener (made in another network namespace, say), forever:
-/// spawn it, and abort the task to stop.
-pub async fn serve_listener(listener: TcpListener, handler: Handler) {
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
-        let handler = handler.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut len = 0;
-            // Read the request head (bounded in size and time).
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while len < buf.len() {
-                    match sock.read(&mut buf[len..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => {
-                            len += n;
-                            if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                                break;
-                            }
-                        }
-                    }
-                }
-            })
-            .await;
-            if read.is_err() {
-                return;
-            }
-            let head = String::from_utf8_lossy(&buf[..len]);
-            let mut parts = head.lines().next().unwrap_or("").split_whitespace();
-            let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
-            let path = target.split('?').next().unwrap_or("/");
-            let resp = if method == "GET" || method == "HEAD" {
-                handler(path)
-            } else {
-                Response::new(405, "text/plain", "method not allowed\n")
-            };
-            let body = if method == "HEAD" { "" } else { resp.body.as_str() };
-            let extra: String = resp.headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
-            let out = format!(
-                "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\n{}Content-Length: {}\r\nConnection: close\r\n\r\n{}",
-                resp.code,
-                reason(resp.code),
-                resp.content_type,
-                extra,
-                resp.body.len(),
-                body
-            );
-            let _ = sock.write_all(out.as_bytes()).await;
-            let _ = sock.shutdown().await;
+/// Serve on an already bound listener (made in another network namespace, say) until `stop`
+/// turns true or its sender is dropped; then the listener closes and open connections end
+/// after the request in flight.
+pub async fn serve_listener(name: &'static str, listener: TcpListener, handler: Handler, stop: watch::Receiver<bool>) {
+    let handler = move |req: Request<Incoming>| {
+        let r = answer(&handler, &req);
+        async move { r }
+    };
+    let server = Server { name, tls: None, limits: limits(), handler, on_refusal: None };
+    clusterip_serve::serve(listener, server, stop, Duration::ZERO).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn raw(addr: SocketAddr, request: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(request.as_bytes()).await.expect("write");
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test]
+    async fn answers_get_and_head_refuses_other_methods_and_sends_extra_headers() {
+        let handler: Handler = Arc::new(|path| {
+            let mut r = Response::new(if path == "/ok" { 200 } else { 404 }, "application/json", "{\"a\":1}");
+            r.headers.push(("X-Load-Balancing-Endpoint-Weight", "3".into()));
+            r
         });
+        let addr = serve("test", "127.0.0.1:0", handler).await.expect("bind");
+        let get = raw(addr, "GET /ok?x=1 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await;
+        assert!(get.starts_with("HTTP/1.1 200 OK"), "{get}");
+        assert!(get.contains("content-type: application/json") && get.contains("x-load-balancing-endpoint-weight: 3"), "{get}");
+        assert!(get.ends_with("{\"a\":1}"), "{get}");
+        let head = raw(addr, "HEAD /ok HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await;
+        assert!(head.starts_with("HTTP/1.1 200 OK") && !head.contains("{\"a\":1}"), "{head}");
+        let post = raw(addr, "POST /ok HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        let missing = raw(addr, "GET /nope HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await;
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    }
+
+    #[tokio::test]
+    async fn a_stopped_server_closes_its_listener() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = watch::channel(false);
+        let handler: Handler = Arc::new(|_| Response::new(200, "text/plain", "ok"));
+        let task = tokio::spawn(serve_listener("test", listener, handler, rx));
+        assert!(raw(addr, "GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await.starts_with("HTTP/1.1 200"));
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(10), task).await.expect("serve returned").expect("no panic");
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "the port still accepts after stop");
     }
 }

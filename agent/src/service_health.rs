@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 use crate::healthz::ProxyHealth;
 use crate::http::{serve_listener, Handler, Response};
@@ -37,7 +38,9 @@ impl ProxyHealthChecker for ProxyHealth {
 struct Server {
     port: u16,
     local: Arc<AtomicUsize>,
-    task: AbortHandle,
+    /// Dropped with the server: its listener closes, its connections end after the request
+    /// in flight.
+    _stop: watch::Sender<bool>,
 }
 
 /// The running health-check servers (their tasks end when this is dropped).
@@ -114,16 +117,10 @@ impl ServiceHealthServers {
 
     /// Bring the servers to `wanted` (Service → (port, local ready endpoints)).
     pub fn sync(&mut self, wanted: &HashMap<NamespacedName, (u16, usize)>) {
-        // Reap the tasks aborted earlier.
+        // Reap the servers stopped earlier.
         while self.tasks.try_join_next().is_some() {}
         self.failed.retain(|nsn, port| wanted.get(nsn).is_some_and(|(p, _)| p == port));
-        self.servers.retain(|nsn, s| {
-            let keep = wanted.get(nsn).is_some_and(|(p, _)| *p == s.port);
-            if !keep {
-                s.task.abort();
-            }
-            keep
-        });
+        self.servers.retain(|nsn, s| wanted.get(nsn).is_some_and(|(p, _)| *p == s.port));
         for (nsn, (port, local)) in wanted {
             if let Some(s) = self.servers.get(nsn) {
                 s.local.store(*local, Ordering::Relaxed);
@@ -163,9 +160,10 @@ impl ServiceHealthServers {
                 r.headers.push(("X-Load-Balancing-Endpoint-Weight", n.to_string()));
                 r
             });
-            let task = self.tasks.spawn_on(serve_listener(listener, handler), &self.handle);
+            let (stop, stopped) = watch::channel(false);
+            self.tasks.spawn_on(serve_listener("service-health", listener, handler, stopped), &self.handle);
             tracing::info!(service = %nsn, port, "service health check listening");
-            self.servers.insert(nsn.clone(), Server { port: *port, local: count, task });
+            self.servers.insert(nsn.clone(), Server { port: *port, local: count, _stop: stop });
         }
     }
 }

@@ -93,8 +93,15 @@ enum Endpoints {
     Probes,
 }
 
+/// What [`Metrics::encode`] writes (it ends in `# EOF`): Prometheus 3 fails a scrape whose
+/// Content-Type it does not know.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const TEXT: &str = "text/plain; charset=utf-8";
+
 async fn answer(health: &Health, which: Endpoints, req: Request<Incoming>) -> Response<Full<Bytes>> {
-    let (status, body) = match (which, req.uri().path()) {
+    let path = req.uri().path();
+    let content_type = if which == Endpoints::Metrics && path == "/metrics" { OPENMETRICS } else { TEXT };
+    let (status, body) = match (which, path) {
         (Endpoints::Metrics, "/metrics") => (StatusCode::OK, health.metrics().await),
         (_, "/healthz" | "/livez") => (StatusCode::OK, "ok".to_string()),
         (_, "/readyz") => match health.ready().await {
@@ -106,6 +113,7 @@ async fn answer(health: &Health, which: Endpoints, req: Request<Incoming>) -> Re
     };
     let mut resp = Response::new(Full::new(Bytes::from(body)));
     *resp.status_mut() = status;
+    resp.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
     resp
 }
 

@@ -16,7 +16,7 @@
 //! | `clusterip_webhook_request_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_bad_requests_total` | counter | operation |
 //! | `clusterip_webhook_refused_connections_total` | counter | reason (client_certificate, tls_handshake, handshake_timeout, source_limit, evicted) |
-//! | `clusterip_webhook_released_addresses_total` | counter | reason (request_failed: the apiserver recorded and released the address of a create that failed after our answer; in_flight_limit: never recorded within --in-flight-limit) |
+//! | `clusterip_webhook_released_addresses_total` | counter | reason (apiserver_released: the apiserver recorded the address after our answer and released it again within the in-flight window — the create failed, or the Service was deleted at once; in_flight_limit: never recorded within --in-flight-limit) |
 //! | `clusterip_http_refused_connections_total` | counter | server (metrics, health), reason (source_limit, evicted) |
 //! | `clusterip_reconcile_errors_total` | counter | controller |
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
@@ -191,7 +191,7 @@ impl Metrics {
         );
         registry.sub_registry_with_prefix("webhook").register(
             "released_addresses",
-            "Addresses the webhook answered and released because the request was never stored: request_failed (the kube-apiserver recorded the address and released it as the create failed) or in_flight_limit (not recorded within --in-flight-limit)",
+            "Addresses the webhook answered and released again: apiserver_released (the kube-apiserver recorded the address and released it again: the create failed, or the Service was deleted at once) or in_flight_limit (not recorded within --in-flight-limit)",
             m.webhook_released_addresses.clone(),
         );
         registry.sub_registry_with_prefix("http").register(

@@ -315,8 +315,8 @@ impl Admission {
             let Some(entry) = lock(&self.in_flight).get(&ip).filter(|e| e.recorded).cloned() else { continue };
             match self.store.release_owned(ip, &entry.parent).await {
                 Ok(()) => {
-                    debug!(%ip, service = %entry.parent, "released an address whose create failed after our answer (the apiserver released its record)");
-                    self.count_released("request_failed", 1);
+                    debug!(%ip, service = %entry.parent, "released an address the apiserver recorded after our answer and released again (the create failed, or the Service was deleted)");
+                    self.count_released("apiserver_released", 1);
                 }
                 Err(StoreError::NotOwner { .. }) => {}
                 Err(e) => {

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::sync::lock;
+use crate::lock;
 
 /// Requests in flight on one connection, and since when it has had none.
 pub(super) struct Activity {

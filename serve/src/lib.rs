@@ -1,5 +1,6 @@
 //! HTTP serving for clients that may misbehave: the accept loop and connection handling
-//! shared by the admission webhook (HTTPS) and the metrics endpoint (plain HTTP).
+//! shared by the controller's admission webhook (HTTPS), its metrics and health-probe
+//! endpoints, and the node agent's healthz, metrics and health-check node ports (plain HTTP).
 //!
 //! What a client cannot do here, and what it gets instead:
 //! - hold a connection open without finishing the TLS handshake: closed after
@@ -47,8 +48,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
-use crate::sync::lock;
 use book::{Admission, Book, Slot};
+
+/// `m.lock()`, through a poisoned lock (every state behind these locks is consistent between
+/// statements, so the next holder goes on with it).
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// What one client may hold and for how long.
 #[derive(Clone, Copy, Debug)]

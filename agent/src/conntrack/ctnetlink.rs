@@ -270,6 +270,12 @@ impl Socket {
         self.dump(family, false, &mut f)
     }
 
+    /// Dump every entry of `family` (for tests and benchmarks).
+    #[doc(hidden)]
+    pub fn dump_all(&mut self, family: IpFamily, mut f: impl FnMut(&Entry)) -> Result<usize, CtError> {
+        self.dump(family, false, &mut f)
+    }
+
     fn dump(&mut self, family: IpFamily, udp_only: bool, f: &mut impl FnMut(&Entry)) -> Result<usize, CtError> {
         let seq = self.next_seq();
         netlink::send(&self.fd, &encode_dump(seq, family, udp_only))?;

@@ -236,8 +236,9 @@ fn main() {
     let runs_at_first = std::fs::read_to_string(&runs).map_or(0, |s| s.lines().count());
     eprintln!("tenants: first sync {first_sync:?}; conntrack runs so far {runs_at_first}");
 
-    // Churn: one small Service's endpoint per second, the big one's every 10 s (then its
-    // flows to the new endpoint are made, for the next change to flush).
+    // Churn: one small Service's endpoint per second, the big one's every 10 s, half a
+    // second after a small one (arrivals independent of the agent's syncs; then its flows
+    // to the new endpoint are made, for the next change to flush).
     let (mut changes, mut big_changes) = (0usize, 0usize);
     let churn = Instant::now();
     let mut k = 0;
@@ -246,6 +247,7 @@ fn main() {
         rt.block_on(o.apply_slice(&format!("s{i}"), &small_endpoint(i, k / n_svc + 1)));
         changes += 1;
         if k % 10 == 9 {
+            std::thread::sleep((churn + Duration::from_millis(k as u64 * 1000 + 500)).saturating_duration_since(Instant::now()));
             big_changes += 1;
             rt.block_on(o.apply_slice("big", &big_endpoint(big_changes)));
             changes += 1;
@@ -276,14 +278,27 @@ fn main() {
     let syncs = metric(&m, "clusterip_agent_sync_proxy_rules_duration_seconds_count");
     let (sync_buckets, sync_count) = histogram(&m, "clusterip_agent_sync_partial_proxy_rules_duration_seconds");
     let conntrack_runs = std::fs::read_to_string(&runs).map_or(0, |s| s.lines().count());
-    // Entries still DNATed to an endpoint the big Service no longer has.
+    // Entries still DNATed to an endpoint the big Service no longer has, once the last
+    // flush had up to 30 s (the agent's rounds run beside its syncs).
     let current = ip(&big_endpoint(big_changes));
-    let mut stale = 0;
-    let _ = ct.dump_all(IpFamily::V4, |e| {
-        if e.proto == IPPROTO_UDP && e.orig.dport == 53 && e.reply.src != current && e.reply.src != e.orig.dst && vips.contains(&e.orig.dst) {
-            stale += 1;
-        }
-    });
+    let vip_set: std::collections::HashSet<IpAddr> = vips.iter().copied().collect();
+    let mut stale_count = || {
+        let mut stale = 0;
+        let _ = ct.dump_all(IpFamily::V4, |e| {
+            if e.proto == IPPROTO_UDP && e.orig.dport == 53 && e.reply.src != current && e.reply.src != e.orig.dst && vip_set.contains(&e.orig.dst) {
+                stale += 1;
+            }
+        });
+        stale
+    };
+    let flush_wait = Instant::now();
+    let mut stale = stale_count();
+    while stale > 0 && flush_wait.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(200));
+        stale = stale_count();
+    }
+    let m = agent.metrics();
+    let (flush_buckets, flush_count) = histogram(&m, "clusterip_agent_conntrack_flush_duration_seconds");
     let mut by_le = BTreeMap::new();
     for (le, c) in &buckets {
         if *le <= 5.0 {
@@ -293,7 +308,8 @@ fn main() {
     println!(
         "RESULT tenants external_ips={n_ext} services={n_svc} prefill={made} duration_s={} min_sync={min_sync} flags={:?} first_sync_s={} changes={changes} big_changes={big_changes} \
          programmed={count} p50_s={:.3} p99_s={:.3} within_1s={:.4} pending_at_end_s={pending_s:.1} syncs={syncs} partial_sync_p99_s={:.3} \
-         conntrack_processes={conntrack_runs} conntrack_processes_per_sync={:.2} flushed_entries={} flush_failures={} stale_entries_left={stale} vmhwm_mib={:.0}",
+         conntrack_processes={conntrack_runs} conntrack_processes_per_sync={:.2} flushed_entries={} flush_failures={} flush_rounds={flush_count} \
+         flush_round_p99_s={:.3} stale_entries_left={stale} vmhwm_mib={:.0}",
         duration.as_secs(),
         extra,
         first_sync.map_or("none".to_string(), |d| format!("{:.1}", d.as_secs_f64())),
@@ -304,6 +320,7 @@ fn main() {
         conntrack_runs as f64 / syncs.max(1.0),
         metric(&m, "clusterip_agent_conntrack_entries_deleted_total"),
         metric(&m, "clusterip_agent_conntrack_flush_failures_total"),
+        quantile(0.99, &flush_buckets, flush_count),
         vm_hwm_mib(agent.pid()),
     );
     eprintln!("tenants: programming-latency buckets (cumulative, le ≤ 5 s) {by_le:?}");

@@ -46,7 +46,7 @@ pub struct FlushMetrics {
 impl FlushMetrics {
     /// Metrics not registered anywhere (tests).
     pub fn detached() -> Self {
-        FlushMetrics { failures: Counter::default(), deleted: Counter::default(), duration: Histogram::new([0.01, 0.1, 1.0].into_iter()) }
+        FlushMetrics { failures: Counter::default(), deleted: Counter::default(), duration: Histogram::new([0.01, 0.1, 1.0]) }
     }
 }
 
@@ -209,7 +209,9 @@ mod tests {
     }
 
     /// A round that records each set it gets and blocks while the gate is closed.
-    fn gated() -> (Round, Arc<Mutex<Vec<usize>>>, Arc<(Mutex<bool>, Condvar)>) {
+    type Gate = Arc<(Mutex<bool>, Condvar)>;
+
+    fn gated() -> (Round, Arc<Mutex<Vec<usize>>>, Gate) {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let gate = Arc::new((Mutex::new(true), Condvar::new()));
         let (s, g) = (seen.clone(), gate.clone());

@@ -96,12 +96,11 @@ pub enum Skip {
     OverAddressLimit { cost: usize, limit: usize },
 }
 
-/// Default of `--max-service-addresses`: VIP:port pairs (ports × (ClusterIPs + externalIPs
-/// + load-balancer IPs)) one Service may make every node program. Each pair is a map
-/// element in every node's kernel, and each removed UDP endpoint one conntrack flush per
-/// pair; a Service that lists 2 ClusterIPs, 8 ports and a few dozen external addresses
-/// stays well under it, and a node's worst case is still bounded by what one namespace
-/// may create.
+/// Default of `--max-service-addresses`: the VIP:port pairs one Service may make every
+/// node program, ports × (ClusterIPs, externalIPs and load-balancer IPs). Each pair is a
+/// map element in every node's kernel, and each removed UDP endpoint one conntrack flush
+/// per pair. A Service with 2 ClusterIPs, 8 ports and a few dozen external addresses stays
+/// well under it.
 pub const DEFAULT_MAX_SERVICE_ADDRESSES: usize = 1024;
 
 /// What one Service may cost a node.

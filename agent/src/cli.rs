@@ -12,6 +12,7 @@ use crate::healthz::ProxyHealth;
 use crate::http::{self, Response};
 use crate::iptables::IptablesProxier;
 use crate::metrics::{CodeLabel, Metrics};
+use crate::model::service::{ServiceLimits, DEFAULT_MAX_SERVICE_ADDRESSES};
 use crate::model::state::{NodeInfo, ProxyState};
 use crate::netns::Executor;
 use crate::nftables::render::RenderOptions;
@@ -104,10 +105,22 @@ pub struct Args {
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub verify_period: Duration,
 
-    /// Kill a dataplane tool (nft, iptables-restore, iptables-save, conntrack) still running
-    /// after this long; the sync that needed it fails and is retried with backoff.
+    /// Kill a dataplane tool (nft, iptables-restore, iptables-save) still running after this
+    /// long; the sync that needed it fails and is retried with backoff.
     #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
     pub tool_timeout: Duration,
+
+    /// At most this many VIP:port pairs per Service: ports × (ClusterIPs + externalIPs +
+    /// load-balancer IPs). A Service over it is programmed with its ClusterIPs only (and not
+    /// at all if those alone are over it), with a warning and the
+    /// services_over_address_limit gauge. 0: no limit.
+    #[arg(long, default_value_t = DEFAULT_MAX_SERVICE_ADDRESSES)]
+    pub max_service_addresses: usize,
+
+    /// Only externalIPs inside these CIDRs (comma separated) are programmed; others are
+    /// ignored, with a warning and the external_ips_ignored gauge. Empty: any address.
+    #[arg(long, value_delimiter = ',')]
+    pub external_ip_cidrs: Vec<IpNet>,
 }
 
 /// Errors that stop the agent.
@@ -184,7 +197,8 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
         None => hostname()?,
     };
     let client = kube_client(&args).await?;
-    let state = ProxyState::new(NodeInfo { name: node_name.clone(), zone: None }, args.service_proxy_name.clone());
+    let limits = ServiceLimits { max_addresses: args.max_service_addresses, external_ip_cidrs: args.external_ip_cidrs.clone() };
+    let state = ProxyState::new(NodeInfo { name: node_name.clone(), zone: None }, args.service_proxy_name.clone()).with_limits(limits);
     let health = ProxyHealth::new(args.sync_period * 2);
     let shared = Shared::new(state, health, Metrics::new());
 

@@ -15,6 +15,7 @@ pub mod iptables;
 pub mod locks;
 pub mod metrics;
 pub mod model;
+mod netlink;
 pub mod netns;
 pub mod nftables;
 pub mod proxier;

@@ -34,6 +34,10 @@ pub struct Metrics {
     pub sync_failures: Counter,
     pub drift_detected: Counter,
     pub conntrack_failures: Counter,
+    pub conntrack_deleted: Counter,
+    pub conntrack_flush_duration: Histogram,
+    pub services_over_address_limit: Gauge,
+    pub external_ips_ignored: Gauge,
     pub rules: Family<KindLabel, Gauge>,
     pub service_ports: Gauge,
     pub healthz: Family<CodeLabel, Counter>,
@@ -74,6 +78,10 @@ impl Metrics {
             sync_failures: Counter::default(),
             drift_detected: Counter::default(),
             conntrack_failures: Counter::default(),
+            conntrack_deleted: Counter::default(),
+            conntrack_flush_duration: Histogram::new(sync_buckets()),
+            services_over_address_limit: Gauge::default(),
+            external_ips_ignored: Gauge::default(),
             rules: Family::default(),
             service_ports: Gauge::default(),
             healthz: Family::default(),
@@ -96,12 +104,41 @@ impl Metrics {
         );
         registry.register("sync_proxy_rules_failures", "Failed syncs", m.sync_failures.clone());
         registry.register("sync_proxy_rules_drift_detected", "Full resyncs that found rules changed behind the agent's back", m.drift_detected.clone());
-        registry.register("conntrack_flush_failures", "Failed conntrack -D runs", m.conntrack_failures.clone());
+        registry.register(
+            "conntrack_flush_failures",
+            "Conntrack flush rounds that failed, and flushes dropped because the flush queue was full",
+            m.conntrack_failures.clone(),
+        );
+        registry.register("conntrack_entries_deleted", "UDP conntrack entries deleted by flushes", m.conntrack_deleted.clone());
+        registry.register(
+            "conntrack_flush_duration_seconds",
+            "Duration of a conntrack flush round (one dump per family, the deletes), off the sync loop",
+            m.conntrack_flush_duration.clone(),
+        );
+        registry.register(
+            "services_over_address_limit",
+            "Services whose ports x addresses exceed --max-service-addresses (programmed with their ClusterIPs only, or not at all)",
+            m.services_over_address_limit.clone(),
+        );
+        registry.register(
+            "external_ips_ignored",
+            "externalIPs of Services outside --external-ip-cidrs (not programmed)",
+            m.external_ips_ignored.clone(),
+        );
         registry.register("sync_proxy_rules_programmed", "Chains, rules and shared map/set elements programmed", m.rules.clone());
         registry.register("service_ports", "Service ports known", m.service_ports.clone());
         registry.register("proxy_healthz", "/healthz answers by HTTP code", m.healthz.clone());
         registry.register("proxy_livez", "/livez answers by HTTP code", m.livez.clone());
         Metrics { registry, ..m }
+    }
+
+    /// The conntrack flusher's share.
+    pub fn conntrack(&self) -> crate::conntrack::flusher::FlushMetrics {
+        crate::conntrack::flusher::FlushMetrics {
+            failures: self.conntrack_failures.clone(),
+            deleted: self.conntrack_deleted.clone(),
+            duration: self.conntrack_flush_duration.clone(),
+        }
     }
 
     /// The text exposition format.

@@ -7,6 +7,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::conntrack::flusher::{self, Flusher};
 use crate::conntrack::ConntrackCleaner;
 use crate::healthz::ProxyHealth;
 use crate::locks;
@@ -93,6 +94,14 @@ pub fn run(
     mut service_health: Option<crate::service_health::ServiceHealthServers>,
 ) {
     let mut conntrack = ConntrackCleaner::default();
+    // Off the programming path: a sync hands its flushes over and goes on.
+    let flusher = match Flusher::start(flusher::netlink_round(exec.netns_file()), shared.metrics.conntrack()) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the conntrack flusher thread; stale UDP conntrack entries will not be flushed");
+            None
+        }
+    };
     let mut last_end: Option<Instant> = None;
     let mut next_full = Instant::now();
     let mut retry_at: Option<Instant> = None;
@@ -144,7 +153,7 @@ pub fn run(
             }
         }
         // Take the changes and build the batch under the lock (pure, fast).
-        let (batch, changes, service_ports) = {
+        let (batch, changes, service_ports, limits) = {
             let mut c = shared.lock();
             if full_due {
                 c.state.request_full();
@@ -156,7 +165,7 @@ pub fn run(
                 (n, d)
             });
             let batch = SyncBatch { full: changes.full, services: services.collect() };
-            (batch, changes, c.state.service_port_count())
+            (batch, changes, c.state.service_port_count(), c.state.limit_counts())
         };
         let result = proxier.sync(&batch);
         let elapsed = start.elapsed();
@@ -180,12 +189,19 @@ pub fn run(
                 }
                 shared.metrics.last_sync_timestamp.set(unix_now());
                 shared.metrics.service_ports.set(service_ports as i64);
+                shared.metrics.services_over_address_limit.set(limits.0 as i64);
+                shared.metrics.external_ips_ignored.set(limits.1 as i64);
                 for (kind, n) in [("chains", report.chains), ("rules", report.rules), ("elements", report.elements)] {
                     shared.metrics.rules.get_or_create(&KindLabel { kind: kind.into() }).set(n as i64);
                 }
                 let flushes = conntrack.plan(&batch);
-                let failures = ConntrackCleaner::execute(&exec, &flushes);
-                shared.metrics.conntrack_failures.inc_by(failures.len() as u64);
+                let conntrack_flushes = flushes.len();
+                match &flusher {
+                    Some(f) => f.submit(flushes),
+                    None => {
+                        shared.metrics.conntrack_failures.inc();
+                    }
+                }
                 if let Some(sh) = service_health.as_mut() {
                     let wanted = shared.lock().state.health_check_node_ports();
                     sh.sync(&wanted);
@@ -205,7 +221,7 @@ pub fn run(
                     transactions = report.transactions,
                     netlink_transactions = report.netlink_transactions,
                     operations = report.operations,
-                    conntrack_flushes = flushes.len(),
+                    conntrack_flushes,
                     elapsed_ms = elapsed.as_millis() as u64,
                     elapsed_us = elapsed.as_micros() as u64,
                     "sync done"

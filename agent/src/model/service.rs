@@ -92,6 +92,82 @@ pub enum Skip {
     /// Names become nft chain and set names, so one that is not a DNS label could break
     /// the transaction text — or add commands to it — and is never rendered.
     InvalidName(String),
+    /// Even its ClusterIPs alone exceed `--max-service-addresses` (ports × ClusterIPs).
+    OverAddressLimit { cost: usize, limit: usize },
+}
+
+/// Default of `--max-service-addresses`: the VIP:port pairs one Service may make every
+/// node program, ports × (ClusterIPs, externalIPs and load-balancer IPs). Each pair is a
+/// map element in every node's kernel, and each removed UDP endpoint one conntrack flush
+/// per pair. A Service with 2 ClusterIPs, 8 ports and a few dozen external addresses stays
+/// well under it.
+pub const DEFAULT_MAX_SERVICE_ADDRESSES: usize = 1024;
+
+/// What one Service may cost a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceLimits {
+    /// At most this many VIP:port pairs per Service (0: no limit). Over it, the Service is
+    /// programmed with its ClusterIPs only (no externalIPs, no load-balancer IPs); if even
+    /// those exceed it, not at all.
+    pub max_addresses: usize,
+    /// externalIPs outside these CIDRs are ignored (empty: any address is allowed, as
+    /// kube-proxy does).
+    pub external_ip_cidrs: Vec<IpNet>,
+}
+
+impl Default for ServiceLimits {
+    fn default() -> Self {
+        ServiceLimits { max_addresses: DEFAULT_MAX_SERVICE_ADDRESSES, external_ip_cidrs: vec![] }
+    }
+}
+
+/// What [`apply_limits`] took away from a Service.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Limited {
+    /// externalIPs outside the allowed CIDRs.
+    pub external_ips_ignored: usize,
+    /// Over the address limit: programmed with its ClusterIPs only.
+    pub over_limit: bool,
+}
+
+/// VIP:port pairs the ports make a node program.
+pub fn address_cost(ports: &[ServicePort]) -> usize {
+    ports.iter().map(|p| p.cluster_ips.len() + p.external_ips.len() + p.load_balancer_ips.len()).sum()
+}
+
+/// Bound what one Service costs a node: drop externalIPs outside `limits.external_ip_cidrs`,
+/// then, over `limits.max_addresses`, everything but the ClusterIPs (what pods inside the
+/// cluster use keeps working; what was dropped is what the Service's author can grow at
+/// will). Err when even the ClusterIPs are over the limit.
+pub fn apply_limits(ports: &mut [ServicePort], limits: &ServiceLimits) -> Result<Limited, Skip> {
+    let mut out = Limited::default();
+    if !limits.external_ip_cidrs.is_empty() {
+        let allowed = |ip: &IpAddr| limits.external_ip_cidrs.iter().any(|n| n.contains(ip));
+        for (i, p) in ports.iter_mut().enumerate() {
+            let before = p.external_ips.len();
+            p.external_ips.retain(allowed);
+            if i == 0 {
+                out.external_ips_ignored = before - p.external_ips.len();
+            }
+        }
+    }
+    if limits.max_addresses == 0 {
+        return Ok(out);
+    }
+    let cost = address_cost(ports);
+    if cost > limits.max_addresses {
+        out.over_limit = true;
+        for p in ports.iter_mut() {
+            p.external_ips.clear();
+            p.load_balancer_ips.clear();
+            p.external_policy_local &= p.externally_accessible();
+        }
+        let cost = address_cost(ports);
+        if cost > limits.max_addresses {
+            return Err(Skip::OverAddressLimit { cost, limit: limits.max_addresses });
+        }
+    }
+    Ok(out)
 }
 
 /// Whether `s` is a DNS-1123 label, as Kubernetes requires of namespaces and Service names:
@@ -239,9 +315,11 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Result<Vec<Serv
 
 fn parse_ips<'a>(nsn: &NamespacedName, field: &str, it: impl Iterator<Item = &'a String>) -> Vec<IpAddr> {
     let mut out = Vec::new();
+    // A set beside the list: `Vec::contains` made 5,000 externalIPs 12.5M comparisons.
+    let mut seen = std::collections::HashSet::new();
     for s in it {
         match IpAddr::from_str(s.trim()) {
-            Ok(ip) if !out.contains(&ip) => out.push(ip),
+            Ok(ip) if seen.insert(ip) => out.push(ip),
             Ok(_) => {}
             Err(_) => tracing::warn!(service = %nsn, field, value = %s, "ignoring malformed IP address"),
         }
@@ -358,6 +436,53 @@ mod tests {
         assert!(service_ports(&other, Some("other")).is_ok());
         let plain = svc(json!({"metadata": {"name": "p", "namespace": "n"}, "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80}]}}));
         assert_eq!(service_ports(&plain, Some("other")), Err(Skip::OtherProxy));
+    }
+
+    fn many_addresses(n: usize, ports: usize) -> Service {
+        let ext: Vec<String> = (0..n).map(|i| format!("198.18.{}.{}", 100 + i / 250, i % 250 + 1)).collect();
+        let ports: Vec<_> = (0..ports).map(|i| json!({"name": format!("p{i}"), "port": 53 + i, "protocol": "UDP"})).collect();
+        svc(json!({"metadata": {"name": "big", "namespace": "n"},
+            "spec": {"clusterIPs": ["198.19.0.1", "fd00:10:96::1"], "externalIPs": ext, "ports": ports}}))
+    }
+
+    #[test]
+    fn a_service_over_the_address_limit_keeps_its_cluster_ips_only() {
+        let limits = ServiceLimits::default();
+        // 2 ports × (2 ClusterIPs + 510 externalIPs) = 1024: at the limit, kept whole.
+        let mut ports = service_ports(&many_addresses(510, 2), None).expect("ok");
+        assert_eq!(apply_limits(&mut ports, &limits), Ok(Limited::default()));
+        assert_eq!(ports[1].external_ips.len(), 510);
+        // One more externalIP: 1026 > 1024, the externalIPs go, the ClusterIPs stay.
+        let mut ports = service_ports(&many_addresses(511, 2), None).expect("ok");
+        assert_eq!(apply_limits(&mut ports, &limits), Ok(Limited { over_limit: true, external_ips_ignored: 0 }));
+        assert!(ports.iter().all(|p| p.external_ips.is_empty() && p.cluster_ips.len() == 2));
+        assert_eq!(address_cost(&ports), 4);
+        // 5,000 externalIPs (issue 30's attack) likewise; 0 turns the limit off.
+        let mut ports = service_ports(&many_addresses(5000, 1), None).expect("ok");
+        assert!(apply_limits(&mut ports.clone(), &limits).expect("ok").over_limit);
+        assert!(!apply_limits(&mut ports, &ServiceLimits { max_addresses: 0, ..limits.clone() }).expect("ok").over_limit);
+        assert_eq!(ports[0].external_ips.len(), 5000);
+        // 513 ports × 2 ClusterIPs: over the limit with its ClusterIPs alone, not proxied.
+        let mut ports = service_ports(&many_addresses(0, 513), None).expect("ok");
+        assert_eq!(apply_limits(&mut ports, &limits), Err(Skip::OverAddressLimit { cost: 1026, limit: 1024 }));
+    }
+
+    #[test]
+    fn external_ips_outside_the_allowed_cidrs_are_ignored() {
+        let limits = ServiceLimits { external_ip_cidrs: vec!["198.18.100.0/24".parse().expect("cidr")], ..Default::default() };
+        // 198.18.100.1-250 inside, 198.18.101.x outside.
+        let mut ports = service_ports(&many_addresses(300, 2), None).expect("ok");
+        let l = apply_limits(&mut ports, &limits).expect("ok");
+        assert_eq!(l, Limited { external_ips_ignored: 50, over_limit: false });
+        assert!(ports.iter().all(|p| p.external_ips.len() == 250));
+    }
+
+    #[test]
+    fn duplicate_addresses_are_dropped_in_linear_time() {
+        let ext: Vec<String> = (0..20_000).map(|i| format!("198.18.{}.{}", 100 + (i % 5000) / 250, i % 250 + 1)).collect();
+        let s = svc(json!({"metadata": {"name": "d", "namespace": "n"},
+            "spec": {"clusterIP": "198.19.0.1", "externalIPs": ext, "ports": [{"port": 53}]}}));
+        assert_eq!(service_ports(&s, None).expect("ok")[0].external_ips.len(), 5000);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::endpointslice::SliceInfo;
-use super::service::{service_ports, ServicePort};
+use super::service::{apply_limits, service_ports, Limited, ServiceLimits, ServicePort, Skip};
 use super::topology::{categorize_endpoints, Categorized};
 use super::{Endpoint, IpFamily, NamespacedName};
 
@@ -62,6 +62,9 @@ pub struct ProxyState {
     slice_owner: HashMap<NamespacedName, NamespacedName>,
     changes: Changes,
     started: SystemTime,
+    limits: ServiceLimits,
+    /// Services that [`ServiceLimits`] cut (for metrics and to log each change once).
+    limited: HashMap<NamespacedName, Limited>,
 }
 
 impl ProxyState {
@@ -74,6 +77,39 @@ impl ProxyState {
             slice_owner: HashMap::new(),
             changes: Changes { full: true, ..Default::default() },
             started: SystemTime::now(),
+            limits: ServiceLimits::default(),
+            limited: HashMap::new(),
+        }
+    }
+
+    /// Bound what one Service may cost (`--max-service-addresses`, `--external-ip-cidrs`).
+    pub fn with_limits(mut self, limits: ServiceLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// (Services over the address limit, externalIPs ignored as outside the allowed CIDRs).
+    pub fn limit_counts(&self) -> (usize, usize) {
+        let over = self.limited.values().filter(|l| l.over_limit).count();
+        (over, self.limited.values().map(|l| l.external_ips_ignored).sum())
+    }
+
+    /// Remember (and log, when it changed) what the limits took from a Service.
+    fn note_limited(&mut self, nsn: &NamespacedName, l: Limited) {
+        let before = self.limited.get(nsn).copied().unwrap_or_default();
+        if l != before {
+            if l.over_limit {
+                tracing::warn!(service = %nsn, limit = self.limits.max_addresses,
+                    "ports × addresses over --max-service-addresses: only its ClusterIPs are programmed (no externalIPs, no load-balancer IPs)");
+            }
+            if l.external_ips_ignored > 0 {
+                tracing::warn!(service = %nsn, ignored = l.external_ips_ignored, "externalIPs outside --external-ip-cidrs are not programmed");
+            }
+        }
+        if l == Limited::default() {
+            self.limited.remove(nsn);
+        } else {
+            self.limited.insert(nsn.clone(), l);
         }
     }
 
@@ -108,7 +144,28 @@ impl ProxyState {
             svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
             svc.metadata.name.clone().unwrap_or_default(),
         );
-        match service_ports(svc, self.proxy_name.as_deref()) {
+        let ports = service_ports(svc, self.proxy_name.as_deref()).and_then(|mut ports| {
+            let l = apply_limits(&mut ports, &self.limits)?;
+            Ok((ports, l))
+        });
+        let ports = match ports {
+            Ok((ports, l)) => {
+                self.note_limited(&nsn, l);
+                Ok(ports)
+            }
+            Err(e @ Skip::OverAddressLimit { .. }) => {
+                if !self.limited.get(&nsn).is_some_and(|l| l.over_limit) {
+                    tracing::warn!(service = %nsn, reason = ?e, "ports × ClusterIPs over --max-service-addresses: the Service is not programmed");
+                }
+                self.limited.insert(nsn.clone(), Limited { over_limit: true, external_ips_ignored: 0 });
+                Err(e)
+            }
+            Err(e) => {
+                self.limited.remove(&nsn);
+                Err(e)
+            }
+        };
+        match ports {
             Ok(ports) if !ports.is_empty() => {
                 if self.services.get(&nsn) == Some(&ports) {
                     return false;
@@ -124,6 +181,7 @@ impl ProxyState {
     /// Forget a Service. Returns whether it was known.
     pub fn delete_service(&mut self, nsn: &NamespacedName) -> bool {
         if self.services.remove(nsn).is_some() {
+            self.limited.remove(nsn);
             self.changes.services.insert(nsn.clone());
             true
         } else {
@@ -245,14 +303,15 @@ impl ProxyState {
         ports
             .iter()
             .map(|sp| {
-                let mut v4 = Vec::new();
-                let mut v6 = Vec::new();
+                let mut v4 = Dedup::default();
+                let mut v6 = Dedup::default();
                 for info in slices.into_iter().flat_map(|m| m.values()) {
                     let target = if info.family == IpFamily::V4 { &mut v4 } else { &mut v6 };
                     for ep in info.endpoints_for(&sp.name.port_name, sp.name.protocol, &self.node.name) {
-                        push_dedup(target, ep);
+                        target.push(ep);
                     }
                 }
+                let (v4, v6) = (v4.list, v6.list);
                 let zone = self.node.zone.as_deref();
                 DesiredPort {
                     v4: categorize_endpoints(&v4, sp, &self.node.name, zone),
@@ -294,14 +353,27 @@ fn note_trigger(times: &mut HashMap<NamespacedName, SystemTime>, nsn: &Namespace
     }
 }
 
-/// Endpoints are unique by ip:port; a local copy wins (kube-proxy does the same).
-fn push_dedup(list: &mut Vec<Endpoint>, ep: Endpoint) {
-    if let Some(existing) = list.iter_mut().find(|e| e.ip == ep.ip && e.port == ep.port) {
-        if ep.is_local && !existing.is_local {
-            *existing = ep;
+/// Endpoints unique by ip:port, in the order first seen; a local copy wins (kube-proxy does
+/// the same). Indexed: a search of the list per endpoint was quadratic.
+#[derive(Default)]
+struct Dedup {
+    list: Vec<Endpoint>,
+    index: HashMap<(std::net::IpAddr, u16), usize>,
+}
+
+impl Dedup {
+    fn push(&mut self, ep: Endpoint) {
+        match self.index.get(&(ep.ip, ep.port)) {
+            Some(&i) => {
+                if ep.is_local && !self.list[i].is_local {
+                    self.list[i] = ep;
+                }
+            }
+            None => {
+                self.index.insert((ep.ip, ep.port), self.list.len());
+                self.list.push(ep);
+            }
         }
-    } else {
-        list.push(ep);
     }
 }
 
@@ -369,6 +441,23 @@ mod tests {
         st.replace_services(&[]);
         assert!(st.desired(&NamespacedName::new("ns", "web")).is_empty());
         assert!(st.has_changes());
+    }
+
+    #[test]
+    fn limits_are_applied_counted_and_forgotten_with_the_service() {
+        let limits = ServiceLimits { max_addresses: 4, external_ip_cidrs: vec!["198.18.9.0/24".parse().expect("cidr")] };
+        let mut st = state().with_limits(limits);
+        let big: Service = serde_json::from_value(json!({"metadata": {"name": "big", "namespace": "ns"},
+            "spec": {"clusterIPs": ["198.19.0.10"], "externalIPs": ["198.18.9.1", "198.18.9.2", "198.18.9.3", "198.18.9.4", "198.18.7.1"],
+                     "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}}))
+        .expect("svc");
+        assert!(st.apply_service(&big));
+        let d = st.desired(&NamespacedName::new("ns", "big"));
+        assert!(d[0].port.external_ips.is_empty(), "1 + 4 allowed externalIPs > 4: ClusterIP only");
+        assert_eq!(d[0].port.cluster_ips.len(), 1);
+        assert_eq!(st.limit_counts(), (1, 1));
+        assert!(st.delete_service(&NamespacedName::new("ns", "big")));
+        assert_eq!(st.limit_counts(), (0, 0));
     }
 
     #[test]

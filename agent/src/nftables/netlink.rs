@@ -22,8 +22,9 @@
 //! result against what `nft` writes for the same changes.
 
 use std::net::IpAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
+use crate::netlink::{self, Buf, NLMSG_ERROR, NLM_F_ACK, NLM_F_REQUEST};
 use super::ops::{Expr, Key, Op, Rule, SetName, Value, Verdict, TABLE};
 use super::render::{FIREWALL_IPS, HAIRPIN, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS};
 use crate::model::{IpFamily, Protocol};
@@ -37,13 +38,9 @@ const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
-const NLMSG_ERROR: u16 = 2;
 
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
 const NLM_F_CREATE: u16 = 0x400;
 const NLM_F_APPEND: u16 = 0x800;
-const NLA_F_NESTED: u16 = 0x8000;
 
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
@@ -237,71 +234,6 @@ fn nft_identifier(s: &str) -> bool {
         && (b[0].is_ascii_alphabetic() || b[0] == b'_')
         && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.' | b'/'))
         && b.iter().any(|c| matches!(c, b'-' | b'/'))
-}
-
-/// Netlink message building.
-#[derive(Default)]
-struct Buf {
-    b: Vec<u8>,
-    /// Offsets of open nests.
-    nests: Vec<usize>,
-    /// An attribute longer than its 16-bit length field allows was written.
-    overflow: bool,
-}
-
-impl Buf {
-    fn align(&mut self) {
-        while !self.b.len().is_multiple_of(4) {
-            self.b.push(0);
-        }
-    }
-    fn msg_start(&mut self, ty: u16, flags: u16, seq: u32, family: u8, res_id: u16) -> usize {
-        let start = self.b.len();
-        self.b.extend_from_slice(&0u32.to_ne_bytes());
-        self.b.extend_from_slice(&ty.to_ne_bytes());
-        self.b.extend_from_slice(&flags.to_ne_bytes());
-        self.b.extend_from_slice(&seq.to_ne_bytes());
-        self.b.extend_from_slice(&0u32.to_ne_bytes());
-        // struct nfgenmsg
-        self.b.push(family);
-        self.b.push(0); // NFNETLINK_V0
-        self.b.extend_from_slice(&res_id.to_be_bytes());
-        start
-    }
-    fn msg_end(&mut self, start: usize) {
-        self.align();
-        let len = (self.b.len() - start) as u32;
-        self.b[start..start + 4].copy_from_slice(&len.to_ne_bytes());
-    }
-    fn attr(&mut self, ty: u16, data: &[u8]) {
-        let len = u16::try_from(4 + data.len()).unwrap_or_else(|_| {
-            self.overflow = true;
-            0
-        });
-        self.b.extend_from_slice(&len.to_ne_bytes());
-        self.b.extend_from_slice(&ty.to_ne_bytes());
-        self.b.extend_from_slice(data);
-        self.align();
-    }
-    fn attr_str(&mut self, ty: u16, s: &str) {
-        let mut v = s.as_bytes().to_vec();
-        v.push(0);
-        self.attr(ty, &v);
-    }
-    fn nest_start(&mut self, ty: u16) {
-        self.nests.push(self.b.len());
-        self.b.extend_from_slice(&0u16.to_ne_bytes());
-        self.b.extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
-    }
-    fn nest_end(&mut self) {
-        if let Some(start) = self.nests.pop() {
-            let len = u16::try_from(self.b.len() - start).unwrap_or_else(|_| {
-                self.overflow = true;
-                0
-            });
-            self.b[start..start + 2].copy_from_slice(&len.to_ne_bytes());
-        }
-    }
 }
 
 /// The rule shapes encoded here.
@@ -591,14 +523,6 @@ pub struct Socket {
     fd: OwnedFd,
 }
 
-fn cvt(r: libc::c_int) -> std::io::Result<libc::c_int> {
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
 impl Socket {
     /// Open a socket in the namespace of `netns` (None: the agent's own). The socket stays
     /// in that namespace whatever thread later uses it.
@@ -610,50 +534,16 @@ impl Socket {
     }
 
     fn open_here() -> Result<Socket, NetlinkError> {
-        // SAFETY: socket(2) with constant arguments; the descriptor is owned right away.
-        let raw = cvt(unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_NETFILTER) })?;
-        // SAFETY: `raw` is a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: zeroed sockaddr_nl is valid (pid 0: the kernel assigns one).
-        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        // SAFETY: pointer and length of a live sockaddr_nl.
-        cvt(unsafe {
-            libc::bind(fd.as_raw_fd(), &addr as *const libc::sockaddr_nl as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_nl>() as u32)
-        })?;
-        let s = Socket { fd };
-        // Acknowledgements of a failed batch carry the whole request back: ask for the
-        // headers only (Linux ≥ 4.3; without it only the replies are bigger).
-        let _ = s.setsockopt(libc::SOL_NETLINK, libc::NETLINK_CAP_ACK, 1);
-        // Room for a whole batch and its acknowledgements (the FORCE variants need
-        // CAP_NET_ADMIN, which the agent has; the plain ones are capped by the sysctls).
-        if s.setsockopt(libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, 4 << 20).is_err() {
-            s.setsockopt(libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20)?;
-        }
-        if s.setsockopt(libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 1 << 20).is_err() {
-            s.setsockopt(libc::SOL_SOCKET, libc::SO_RCVBUF, 1 << 20)?;
-        }
+        let s = Socket { fd: netlink::open_netfilter()? };
+        // Room for a whole batch and its acknowledgements.
+        netlink::set_buffers(&s.fd, 4 << 20, 1 << 20)?;
         Ok(s)
-    }
-
-    fn setsockopt(&self, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> std::io::Result<()> {
-        // SAFETY: pointer and length of a live c_int.
-        cvt(unsafe {
-            libc::setsockopt(self.fd.as_raw_fd(), level, name, &v as *const libc::c_int as *const libc::c_void, std::mem::size_of::<libc::c_int>() as u32)
-        })
-        .map(|_| ())
     }
 
     /// Drop anything left in the receive queue (from an earlier, failed exchange).
     fn drain(&self) {
         let mut buf = [0u8; 8192];
-        loop {
-            // SAFETY: buffer pointer and length of a live array.
-            let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-            if n <= 0 {
-                return;
-            }
-        }
+        while netlink::recv(&self.fd, &mut buf, libc::MSG_DONTWAIT).is_ok_and(|n| n > 0) {}
     }
 
     /// Send the batch and check every message's acknowledgement. The kernel processes a
@@ -663,51 +553,21 @@ impl Socket {
             return Ok(());
         }
         self.drain();
-        // SAFETY: zeroed sockaddr_nl is valid (pid 0: the kernel).
-        let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        kernel.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        // SAFETY: buffer and address pointers/lengths of live values.
-        let sent = unsafe {
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                batch.bytes.as_ptr().cast(),
-                batch.bytes.len(),
-                0,
-                &kernel as *const libc::sockaddr_nl as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(std::io::Error::last_os_error().into());
-        }
+        netlink::send(&self.fd, &batch.bytes)?;
         let mut acks = 0;
         let mut buf = vec![0u8; 65536];
         loop {
-            // SAFETY: buffer pointer and length of a live Vec.
-            let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::WouldBlock {
-                    break;
+            let n = match netlink::recv(&self.fd, &mut buf, libc::MSG_DONTWAIT) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e.into()),
+            };
+            for m in netlink::messages(&buf[..n]).filter(|m| m.ty == NLMSG_ERROR) {
+                match netlink::error_code(m.payload) {
+                    Some(0) => acks += 1,
+                    Some(code) => return Err(NetlinkError::Rejected(std::io::Error::from_raw_os_error(-code))),
+                    None => {}
                 }
-                return Err(e.into());
-            }
-            let mut msg = &buf[..n as usize];
-            while msg.len() >= 16 {
-                let len = u32::from_ne_bytes([msg[0], msg[1], msg[2], msg[3]]) as usize;
-                let ty = u16::from_ne_bytes([msg[4], msg[5]]);
-                if len < 16 || len > msg.len() {
-                    break;
-                }
-                if ty == NLMSG_ERROR && len >= 20 {
-                    let code = i32::from_ne_bytes([msg[16], msg[17], msg[18], msg[19]]);
-                    if code != 0 {
-                        return Err(NetlinkError::Rejected(std::io::Error::from_raw_os_error(-code)));
-                    }
-                    acks += 1;
-                }
-                let advance = (len.div_ceil(4) * 4).min(msg.len());
-                msg = &msg[advance..];
             }
         }
         if acks != batch.messages {

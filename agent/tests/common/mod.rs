@@ -256,11 +256,13 @@ impl Agent {
     pub fn start_with_env(node_ns: &str, kubeconfig: &std::path::Path, proxy_name: &str, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let node_name = format!("node-{proxy_name}");
         // Spawned from the test's thread with PDEATHSIG: a killed test run kills its agents.
-        let mut cmd = command(env!("CARGO_BIN_EXE_clusterip-agent"));
-        cmd.args(["--netns", node_ns, "--node-name", &node_name, "--service-proxy-name", proxy_name])
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(["--min-sync-period", "100ms"]);
+        // CLUSTERIP_AGENT_BIN runs another build (an older commit's, to see a test fail on it).
+        let bin = std::env::var("CLUSTERIP_AGENT_BIN").ok().filter(|b| !b.is_empty()).unwrap_or_else(|| env!("CARGO_BIN_EXE_clusterip-agent").to_string());
+        let mut cmd = command(bin);
+        cmd.args(["--netns", node_ns, "--node-name", &node_name, "--service-proxy-name", proxy_name]).arg("--kubeconfig").arg(kubeconfig);
+        if !extra.contains(&"--min-sync-period") {
+            cmd.args(["--min-sync-period", "100ms"]);
+        }
         for flag in ["--healthz-bind-address", "--metrics-bind-address"] {
             if !extra.contains(&flag) {
                 cmd.args([flag, ""]);
@@ -294,6 +296,23 @@ impl Agent {
             let value = line.split_whitespace().find_map(|w| w.strip_prefix("addr="))?;
             Some(value.parse().unwrap_or_else(|e| panic!("address in {line:?}: {e}")))
         })
+    }
+
+    /// The agent's `/metrics` text (started with `--metrics-bind-address 127.0.0.1:0`).
+    pub fn metrics(&self) -> String {
+        let addr = self.listening_addr("metrics");
+        let t = Duration::from_secs(10);
+        let mut s = TcpStream::connect_timeout(&addr, t).unwrap_or_else(|e| panic!("connect to /metrics at {addr}: {e}"));
+        s.set_read_timeout(Some(t)).expect("read timeout");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").expect("ask for /metrics");
+        let mut out = String::new();
+        s.read_to_string(&mut out).expect("read /metrics");
+        out
+    }
+
+    /// A sample of the agent's `/metrics` (the full name with labels, if any), or None.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        self.metrics().lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
     }
 
     /// Number of log lines containing every one of `needles`.

@@ -142,6 +142,8 @@ pub type OnRefusal = Arc<dyn Fn(Refusal) + Send + Sync>;
 /// One HTTP server: plain or TLS, and what it is called in logs.
 pub struct Server<H> {
     pub name: &'static str,
+    /// HTTPS with this acceptor, which must demand a client certificate: a connection whose
+    /// handshake finished counts as authenticated ([`Limits::max_unauthenticated_per_source`]).
     pub tls: Option<TlsAcceptor>,
     pub limits: Limits,
     pub handler: H,
@@ -284,7 +286,8 @@ async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: Socket
     };
     let refusal = match handshake {
         Ok(Ok(tls)) => {
-            // (The handshake verified the client certificate: ClientAuth in webhook::tls.)
+            // A finished handshake counts as authenticated: the caller's TLS configuration
+            // demands a client certificate (the webhook's accepts only the kube-apiserver's).
             slot.authenticated();
             let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
             return http(server, tls, h2, peer, slot, stop, drain_timeout).await;

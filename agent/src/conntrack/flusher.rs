@@ -238,11 +238,7 @@ mod tests {
         let f = Flusher::start(round, metrics.clone()).expect("start");
         f.submit(flush(0));
         // The first round is held; 100 submits (one of them a repeat) return at once.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while locks::lock(&seen).is_empty() {
-            assert!(Instant::now() < deadline, "the first round never started");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        clusterip_test_support::wait_until("the first round to start", Duration::from_secs(60), || !locks::lock(&seen).is_empty());
         for i in 1..=100 {
             f.submit(flush(i));
         }
@@ -260,11 +256,7 @@ mod tests {
         let metrics = FlushMetrics::detached();
         let f = Flusher::start(round, metrics.clone()).expect("start");
         f.submit(flush(0));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while locks::lock(&seen).is_empty() {
-            assert!(Instant::now() < deadline, "the first round never started");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        clusterip_test_support::wait_until("the first round to start", Duration::from_secs(60), || !locks::lock(&seen).is_empty());
         // While the first round is held: a set of the bound's size waits, the next is dropped.
         let mut big = FlushSet::default();
         for i in 0..MAX_PENDING as u32 {

@@ -48,6 +48,21 @@ impl Drop for Attack {
 /// How long a held connection waits before it connects again once the server closed it.
 const RECONNECT_AFTER: Duration = Duration::from_secs(1);
 
+/// A connection from `src` to `dst` that sends nothing, held until the server closes it;
+/// counted in `opened` and then `closed`.
+async fn hold_silent(src: IpAddr, dst: SocketAddr, opened: &AtomicU64, closed: &AtomicU64) {
+    if let Ok(mut s) = connect_from(src, dst).await {
+        opened.fetch_add(1, Ordering::Relaxed);
+        let mut buf = [0u8; 1024];
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+        closed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 impl Attack {
     pub fn new() -> Self {
         Self::default()
@@ -101,16 +116,7 @@ impl Attack {
                 let (opened, closed) = (self.opened.clone(), self.closed_by_server.clone());
                 self.tasks.push(tokio::spawn(async move {
                     loop {
-                        if let Ok(mut s) = connect_from(src, dst).await {
-                            opened.fetch_add(1, Ordering::Relaxed);
-                            let mut buf = [0u8; 1024];
-                            while let Ok(n) = s.read(&mut buf).await {
-                                if n == 0 {
-                                    break;
-                                }
-                            }
-                            closed.fetch_add(1, Ordering::Relaxed);
-                        }
+                        hold_silent(src, dst, &opened, &closed).await;
                         tokio::time::sleep(RECONNECT_AFTER).await;
                     }
                 }));
@@ -130,18 +136,7 @@ impl Attack {
             for src in sources.iter().cycle() {
                 tick.tick().await;
                 let (src, opened, closed) = (*src, opened.clone(), closed.clone());
-                held.spawn(async move {
-                    if let Ok(mut s) = connect_from(src, dst).await {
-                        opened.fetch_add(1, Ordering::Relaxed);
-                        let mut buf = [0u8; 1024];
-                        while let Ok(n) = s.read(&mut buf).await {
-                            if n == 0 {
-                                break;
-                            }
-                        }
-                        closed.fetch_add(1, Ordering::Relaxed);
-                    }
-                });
+                held.spawn(async move { hold_silent(src, dst, &opened, &closed).await });
                 while held.try_join_next().is_some() {}
             }
         }));

@@ -426,15 +426,19 @@ fn load_balancer_source_ranges_are_enforced() {
     s.agent.assert_no_sync_failures();
 }
 
-/// GET http://addr/ from namespace `ns`: (status, headers+body).
+/// GET http://addr/ from namespace `ns`, as a load balancer's check does (one request, then
+/// the connection closed): (status, headers+body, header names lower-cased — HTTP's names
+/// are case-insensitive).
 fn http_get_in(ns: &str, addr: std::net::SocketAddr) -> Option<(u16, String)> {
     in_netns(ns, || {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
         s.set_read_timeout(Some(T)).ok()?;
-        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
         let mut out = String::new();
         s.read_to_string(&mut out).ok()?;
+        let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+        let out = format!("{}\r\n\r\n{body}", head.to_ascii_lowercase());
         Some((out.split_whitespace().nth(1)?.parse().ok()?, out))
     })
 }
@@ -454,7 +458,7 @@ fn health_check_node_port_reports_local_endpoints() {
     s.kns.slice("hc", &[local, Ep::ready(&Topology::backend_ip(1))], |_| {});
     let (code, text) = wait_for("the health check node port", SYNC, || http_get_in(&s.topo.client.name, addr).filter(|r| r.0 == 200));
     assert_eq!(code, 200);
-    assert!(text.contains("X-Load-Balancing-Endpoint-Weight: 1"), "{text}");
+    assert!(text.contains("x-load-balancing-endpoint-weight: 1"), "{text}");
     assert!(text.contains("\"localEndpoints\":1"), "{text}");
     // No local endpoint any more: 503, so load balancers skip this node.
     s.kns.slice("hc", &[Ep::ready(&Topology::backend_ip(1))], |_| {});

@@ -19,8 +19,9 @@
 #   scripts/node-cluster.sh exec CMD …  run CMD in the node's network namespace
 #   scripts/node-cluster.sh ext CMD …   run CMD in the "outside" namespace (a client on the
 #                                     node's link, like another machine of its LAN)
-#   scripts/node-cluster.sh load-images   import target/images/*.oci.tar again (after
-#                                     scripts/build-images.sh)
+#   scripts/node-cluster.sh load-images [DIR]   import target/images/*.oci.tar again (after
+#                                     scripts/build-images.sh), or DIR/*.oci.tar (the e2e
+#                                     suite's images: scripts/lib/build-e2e-images.sh --load)
 #
 # Addresses (198.18.240.0/22, used by no test): the node's link 198.18.240.0/24 (node .2,
 # outside .1), pods 198.18.241.0/24 (CNI ptp + host-local), Services 198.18.242.0/24 (the
@@ -464,10 +465,11 @@ EOF
 }
 
 cmd_load_images() {
-  local pid img
+  local dir=${1:-$repo/target/images} pid img
   pid=$(init_pid) || die "no node running in $state"
   eval "$("$builder" print-dirs)"
-  for img in "$repo"/target/images/*.oci.tar; do
+  for img in "$dir"/*.oci.tar; do
+    [ -f "$img" ] || die "no image archive in $dir"
     nsenter -t "$pid" -m -n "$CONTAINERD_BIN/ctr" --address /run/containerd/containerd.sock -n k8s.io \
       images import --no-unpack --local "$img" >&2
   done
@@ -554,6 +556,6 @@ case "${1:-}" in
   kubectl) shift; kc "$@" ;;
   exec) shift; in_node "$@" ;;
   ext) shift; ip netns exec "$EXTNS" "$@" ;;
-  load-images) cmd_load_images ;;
-  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|load-images" >&2; exit 2 ;;
+  load-images) shift; cmd_load_images "$@" ;;
+  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|load-images [DIR]" >&2; exit 2 ;;
 esac

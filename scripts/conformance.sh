@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Kubernetes' own e2e tests (e2e.test v<K8S_VERSION>, the release the node runs) against the
+# one-node cluster, in one of two configurations, with the same binary on the same node:
+#
+#   --proxy kube-proxy   stock: kube-proxy v<K8S_VERSION> in nftables mode as the node's Service
+#                        proxy, the kube-apiserver's own ClusterIP allocator, no clusterip
+#   --proxy clusterip    clusterip deployed as a user does (`kubectl apply -k deploy/`): the
+#                        webhook/controller allocates, clusterip-agent is the proxy
+#                        (--backend ipaddress; etcd is not run on the node yet: refused)
+#
+#   scripts/conformance.sh [--proxy kube-proxy|clusterip] [--backend ipaddress]
+#                          [--focus REGEX] [--skip REGEX] [--timeout MIN]
+#
+# Builds what is missing (e2e.test and the Kubernetes parts: scripts/lib/build-go-binaries.sh;
+# the clusterip images: scripts/build-images.sh; the suite's images:
+# scripts/lib/build-e2e-images.sh), brings a node of its own up (scripts/node-cluster.sh,
+# state in $TMPDIR/cipnode-conformance-<pid>, owned by this run), loads the suite's images,
+# deploys clusterip (clusterip only), runs e2e.test inside the node's network namespace
+# (the kube-apiserver is reachable only there) bounded by --timeout minutes (default 60),
+# brings the node down and reaps. The tests are the suite's, in Go: this only launches them.
+#
+# Prints, last:
+#   RESULT conformance_<proxy>_<backend> passed=N failed=N skipped=N junit=<path>
+# (<backend> is "apiserver" for kube-proxy: the apiserver's own allocator.) Counts are of the
+# specs the focus selected; a spec the suite skips itself (e.g. it needs two nodes) is
+# skipped. The JUnit report and e2e.test's log stay in target/conformance/<config>-<date>/.
+# Exit status: 0 when nothing failed.
+#
+# Default focus: the [Conformance] tests of `[sig-network] Services` and of `ServiceCIDR and
+# IPAddress API`. Default skip: [Disruptive], [Serial], [Flaky], [Feature:…] and LoadBalancer
+# tests (docs/conformance.md says why each is out).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+# shellcheck source=lib/run.sh
+. "$repo/scripts/lib/run.sh"
+
+node=$repo/scripts/node-cluster.sh
+builder=$repo/scripts/lib/build-go-binaries.sh
+proxy=clusterip backend= timeout_min=60
+focus='\[sig-network\] (Services|ServiceCIDR and IPAddress API) .*\[Conformance\]'
+skip='\[Disruptive\]|\[Serial\]|\[Flaky\]|\[Feature:[^]]+\]|LoadBalancer'
+
+log() { echo "conformance: $*" >&2; }
+die() { log "error: $*"; exit 2; }
+usage() { sed -n '/^#   scripts\/conformance.sh/,/^#  *\[--focus/p' "$0" | sed 's/^# *//' >&2; exit 2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --proxy) proxy=${2:?}; shift 2 ;;
+    --backend) backend=${2:?}; shift 2 ;;
+    --focus) focus=${2:?}; shift 2 ;;
+    --skip) skip=${2?}; shift 2 ;;
+    --timeout) timeout_min=${2:?}; shift 2 ;;
+    -h|--help) usage ;;
+    *) log "unknown argument '$1'"; usage ;;
+  esac
+done
+[[ $timeout_min =~ ^[1-9][0-9]*$ ]] || die "--timeout takes whole minutes, not '$timeout_min'"
+case "$proxy" in
+  kube-proxy)
+    # (No clusterip, so no clusterip backend: a --backend here would be ignored, so refuse it.)
+    [ -z "$backend" ] || die "--backend $backend: --proxy kube-proxy runs the apiserver's own allocator, no clusterip backend"
+    backend=apiserver ;;
+  clusterip)
+    backend=${backend:-ipaddress}
+    case "$backend" in
+      ipaddress) ;;
+      etcd) die "--backend etcd: the node has no etcd the controller pods can reach yet (docs/conformance.md, not yet done)" ;;
+      *) die "--backend takes ipaddress or etcd, not '$backend'" ;;
+    esac ;;
+  *) die "--proxy takes kube-proxy or clusterip, not '$proxy'" ;;
+esac
+config=${proxy}_$backend
+out=$repo/target/conformance/$config-$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$out"
+started=$SECONDS
+
+finish() {
+  local rc=$?
+  "$node" down >&2 || true
+  "$node" reap >&2 || true
+  run_end
+  log "$((SECONDS - started))s in all; logs in $out"
+  exit $rc
+}
+
+run_begin conformance
+"$node" reap >&2 || true
+export CLUSTERIP_NODE_DIR=${CLUSTERIP_NODE_DIR:-${TMPDIR:-/tmp}/cipnode-conformance-$$}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+# ---------------------------------------------------------------- build what is missing
+t0=$SECONDS
+"$builder" e2e.test kubectl || die "building e2e.test failed"
+eval "$("$builder" print-dirs)"
+"$repo/scripts/lib/build-e2e-images.sh" || die "building the e2e suite's images failed"
+if [ "$proxy" = clusterip ]; then
+  scripts/build-images.sh clusterip clusterip-agent pause >&2 || die "building clusterip's images failed"
+fi
+log "builds: $((SECONDS - t0))s"
+
+# ---------------------------------------------------------------- the node
+t0=$SECONDS
+if [ "$proxy" = kube-proxy ]; then export CLUSTERIP_NODE_PROXY=kube-proxy; else export CLUSTERIP_NODE_PROXY=clusterip-agent; fi
+# (clusterip's images were built above, or are not needed: up imports what target/images has.)
+CLUSTERIP_NODE_BUILD_IMAGES=0 "$node" up >&2 || die "the node did not come up"
+"$repo/scripts/lib/build-e2e-images.sh" --load || die "loading the e2e suite's images failed"
+if [ "$proxy" = clusterip ]; then
+  "$node" deploy >&2 || die "deploying clusterip failed"
+fi
+log "node ready ($config): $((SECONDS - t0))s"
+
+# ---------------------------------------------------------------- the suite
+t0=$SECONDS
+junit=$out/junit.xml
+log "running e2e.test (focus: $focus; skip: $skip; at most $timeout_min min); log: $out/e2e.log"
+# (ginkgo's own timeout ends the suite with a report; the outer one bounds a hung process.)
+timeout --kill-after=30s "$((timeout_min * 60 + 300))s" \
+  "$repo/scripts/lib/run-capped.sh" 4096 -- \
+  "$node" exec env PATH="$K8S_BIN:$PATH" HOME="$out" "$K8S_BIN/e2e.test" \
+    --provider=local --kubeconfig="$CLUSTERIP_NODE_DIR/admin.kubeconfig" \
+    --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" \
+    --ginkgo.focus="$focus" --ginkgo.skip="$skip" \
+    --ginkgo.junit-report="$junit" --ginkgo.timeout="${timeout_min}m" \
+    --ginkgo.no-color --ginkgo.v > "$out/e2e.log" 2>&1
+e2e_rc=$?
+log "e2e.test exited $e2e_rc after $((SECONDS - t0))s"
+grep -E '^(Ran [0-9]+ of|FAIL!|SUCCESS!|run-capped:)' "$out/e2e.log" >&2 || tail -n 20 "$out/e2e.log" >&2
+
+# The node's memory (its cgroup's peak: every process of the node and its pods).
+cg=$(cat "$CLUSTERIP_NODE_DIR/cgroup" 2>/dev/null || true)
+[ -n "$cg" ] && [ -f "/sys/fs/cgroup/memory$cg/memory.max_usage_in_bytes" ] &&
+  log "node memory peak: $(( $(cat "/sys/fs/cgroup/memory$cg/memory.max_usage_in_bytes") / 1048576 )) MiB"
+
+# Counts from the JUnit report: specs the focus did not select are listed there as skipped
+# with no reason; they are not counted.
+[ -f "$junit" ] || { echo "RESULT conformance_$config passed=0 failed=0 skipped=0 junit=none (e2e.test exited $e2e_rc)"; exit 1; }
+python3 - "$junit" "$config" "$out/results.tsv" <<'PY'
+import sys, xml.etree.ElementTree as ET
+junit, config, tsv = sys.argv[1:]
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+rows = []
+for case in ET.parse(junit).iter("testcase"):
+    name = case.get("name", "")
+    if name.startswith("[SynchronizedBeforeSuite]") or name.startswith("[SynchronizedAfterSuite]") \
+            or name.startswith("[ReportAfterSuite]") or name.startswith("[BeforeSuite]") or name.startswith("[AfterSuite]"):
+        if case.find("failure") is None and case.find("error") is None:
+            continue
+    if case.find("failure") is not None or case.find("error") is not None:
+        el = case.find("failure") if case.find("failure") is not None else case.find("error")
+        state, why = "failed", (el.get("message") or "").splitlines()[0:1]
+    elif case.find("skipped") is not None:
+        why = case.find("skipped").get("message") or ""
+        if why.strip() in ("", "skipped"):
+            continue  # not selected by the focus
+        state, why = "skipped", [why]
+    else:
+        state, why = "passed", []
+    counts[state] += 1
+    rows.append(f"{state}\t{name}\t{' '.join(why)[:300]}")
+with open(tsv, "w") as f:
+    f.write("\n".join(rows) + "\n")
+for r in rows:
+    print("  " + r, file=sys.stderr)
+print(f"RESULT conformance_{config} passed={counts['passed']} failed={counts['failed']} "
+      f"skipped={counts['skipped']} junit={junit}")
+sys.exit(1 if counts["failed"] else 0)
+PY

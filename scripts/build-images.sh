@@ -5,7 +5,7 @@
 # Containerfiles are built unchanged (and build the same way elsewhere against real registries).
 #
 #   scripts/build-images.sh [clusterip] [clusterip-agent] [pause] [node-test]
-#                           [e2e-agnhost] [e2e-busybox] [e2e-pause]
+#                           [e2e-agnhost] [e2e-busybox] [e2e-pause] [coredns]
 #                                   (default: the first three; node-test: scripts/test-node.sh's
 #                                   workload, tests/node/Containerfile; e2e-*: the images
 #                                   Kubernetes' e2e suite runs, scripts/lib/build-e2e-images.sh)
@@ -28,6 +28,9 @@
 #                                            Debian minbase with the tools its Dockerfile adds
 #   registry.k8s.io/e2e-test-images/busybox:<E2E_BUSYBOX_TAG>  Debian's busybox-static alone
 #   registry.k8s.io/pause:<E2E_PAUSE_TAG>    the pause image above under the e2e suite's name
+#   registry.k8s.io/coredns/coredns:v<COREDNS_VERSION>  the cluster DNS the suite expects
+#                                            (build-go-binaries.sh coredns), as CoreDNS's own
+#                                            Dockerfile makes it (target/images/e2e/coredns.oci.tar)
 #
 # Base images are made once (delete them with `buildah --root … rmi` to refresh). The Rust
 # builds keep their registry and target directories in buildah cache mounts, so a rebuild
@@ -214,6 +217,35 @@ build_e2e_busybox() {
   log "built $e2e_busybox_image (Debian's busybox-static $(dpkg-deb -f "$deb" Version))"
 }
 
+# CoreDNS as its Dockerfile makes it: the binary, the CA certificates, user nonroot (65532)
+# — distroless/static-debian12:nonroot there, the same few files from Debian here.
+build_coredns() {
+  local bin dir ctr mnt
+  "$repo/scripts/lib/build-go-binaries.sh" coredns
+  eval "$("$repo/scripts/lib/build-go-binaries.sh" print-dirs)"
+  bin=$COREDNS_BIN/coredns
+  coredns_image=registry.k8s.io/coredns/coredns:v$COREDNS_VERSION
+  have_image "$coredns_image" && [ ! "$bin" -nt "$out/e2e/coredns.oci.tar" ] && return 0
+  make_debian_image
+  dir=$(mktemp -d "$bstore/tmp/coredns.XXXXXX")
+  mkdir -p "$dir/root/etc/ssl" "$dir/root/tmp" "$dir/root/home/nonroot"
+  chmod 1777 "$dir/root/tmp"
+  ctr=$(bh from --pull=never "$debian_image")
+  mnt=$(bh mount "$ctr")
+  cp -a "$mnt/etc/ssl/certs" "$dir/root/etc/ssl/"
+  bh umount "$ctr" >/dev/null; bh rm "$ctr" >/dev/null
+  printf 'root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' > "$dir/root/etc/passwd"
+  printf 'root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n' > "$dir/root/etc/group"
+  install -m 0755 "$bin" "$dir/root/coredns"
+  ctr=$(bh from scratch)
+  bh copy "$ctr" "$dir/root/" / >/dev/null
+  bh config --user 65532:65532 --workingdir / --port 53 --port 53/udp \
+    --entrypoint '["/coredns"]' --os linux --arch amd64 "$ctr"
+  bh commit --quiet --rm "$ctr" "$coredns_image" >/dev/null
+  rm -rf "$dir"
+  log "built $coredns_image"
+}
+
 export_archive() {
   local image=$1 file=$2
   rm -f "$out/$file.tmp"
@@ -252,6 +284,9 @@ for w in "${what[@]}"; do
       e2e_pause_image=registry.k8s.io/pause:${E2E_PAUSE_TAG:?the tag e2e.test pulls}
       bh tag "$pause_image" "$e2e_pause_image"
       export_archive "$e2e_pause_image" e2e/pause.oci.tar ;;
-    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause)" ;;
+    coredns)
+      build_coredns
+      export_archive "$coredns_image" e2e/coredns.oci.tar ;;
+    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause, coredns)" ;;
   esac
 done

@@ -12,10 +12,11 @@
 #                          [--focus REGEX] [--skip REGEX] [--timeout MIN]
 #
 # Builds what is missing (e2e.test and the Kubernetes parts: scripts/lib/build-go-binaries.sh;
-# the clusterip images: scripts/build-images.sh; the suite's images:
+# the clusterip images: scripts/build-images.sh; the suite's images and CoreDNS:
 # scripts/lib/build-e2e-images.sh), brings a node of its own up (scripts/node-cluster.sh,
 # state in $TMPDIR/cipnode-conformance-<pid>, owned by this run), loads the suite's images,
-# deploys clusterip (clusterip only), runs e2e.test inside the node's network namespace
+# deploys clusterip (clusterip only), then CoreDNS as the cluster DNS (`node-cluster.sh dns`:
+# the suite reaches Services by name), runs e2e.test inside the node's network namespace
 # (the kube-apiserver is reachable only there) bounded by --timeout minutes (default 60),
 # brings the node down and reaps. The tests are the suite's, in Go: this only launches them.
 #
@@ -76,8 +77,14 @@ out=$repo/target/conformance/$config-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$out"
 started=$SECONDS
 
+e2e_pid=
 finish() {
   local rc=$?
+  # (TERM to `timeout`: it passes it on to run-capped, which ends e2e.test and what it ran.)
+  if [ -n "$e2e_pid" ] && kill -0 "$e2e_pid" 2>/dev/null; then
+    log "stopping e2e.test"
+    kill -TERM "$e2e_pid" 2>/dev/null; wait "$e2e_pid" 2>/dev/null
+  fi
   "$node" down >&2 || true
   "$node" reap >&2 || true
   run_end
@@ -96,20 +103,24 @@ t0=$SECONDS
 "$builder" e2e.test kubectl || die "building e2e.test failed"
 eval "$("$builder" print-dirs)"
 "$repo/scripts/lib/build-e2e-images.sh" || die "building the e2e suite's images failed"
-if [ "$proxy" = clusterip ]; then
-  scripts/build-images.sh clusterip clusterip-agent pause >&2 || die "building clusterip's images failed"
-fi
+# (pause is the node's sandbox image, in both configurations.)
+images=(pause)
+[ "$proxy" = clusterip ] && images+=(clusterip clusterip-agent)
+scripts/build-images.sh "${images[@]}" >&2 || die "building ${images[*]} failed"
 log "builds: $((SECONDS - t0))s"
 
 # ---------------------------------------------------------------- the node
 t0=$SECONDS
 if [ "$proxy" = kube-proxy ]; then export CLUSTERIP_NODE_PROXY=kube-proxy; else export CLUSTERIP_NODE_PROXY=clusterip-agent; fi
-# (clusterip's images were built above, or are not needed: up imports what target/images has.)
-CLUSTERIP_NODE_BUILD_IMAGES=0 "$node" up >&2 || die "the node did not come up"
+# (clusterip's images were built above, or are not needed: up imports what target/images has.
+# CLUSTERIP_NODE_DNS=1: kubelet points pods at the cluster DNS deployed below.)
+CLUSTERIP_NODE_DNS=1 CLUSTERIP_NODE_BUILD_IMAGES=0 "$node" up >&2 || die "the node did not come up"
 "$repo/scripts/lib/build-e2e-images.sh" --load || die "loading the e2e suite's images failed"
 if [ "$proxy" = clusterip ]; then
   "$node" deploy >&2 || die "deploying clusterip failed"
 fi
+# (After clusterip: its webhook then admits kube-dns's address, as every other Service's.)
+"$node" dns >&2 || die "deploying the cluster DNS failed"
 log "node ready ($config): $((SECONDS - t0))s"
 
 # ---------------------------------------------------------------- the suite
@@ -124,8 +135,12 @@ timeout --kill-after=30s "$((timeout_min * 60 + 300))s" \
     --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" \
     --ginkgo.focus="$focus" --ginkgo.skip="$skip" \
     --ginkgo.junit-report="$junit" --ginkgo.timeout="${timeout_min}m" \
-    --ginkgo.no-color --ginkgo.v > "$out/e2e.log" 2>&1
+    --ginkgo.no-color --ginkgo.v --ginkgo.silence-skips > "$out/e2e.log" 2>&1 &
+# (In the background, so that INT/TERM reach this shell's trap while the suite runs.)
+e2e_pid=$!
+wait "$e2e_pid"
 e2e_rc=$?
+e2e_pid=
 log "e2e.test exited $e2e_rc after $((SECONDS - t0))s"
 grep -E '^(Ran [0-9]+ of|FAIL!|SUCCESS!|run-capped:)' "$out/e2e.log" >&2 || tail -n 20 "$out/e2e.log" >&2
 
@@ -144,13 +159,13 @@ counts = {"passed": 0, "failed": 0, "skipped": 0}
 rows = []
 for case in ET.parse(junit).iter("testcase"):
     name = case.get("name", "")
-    if name.startswith("[SynchronizedBeforeSuite]") or name.startswith("[SynchronizedAfterSuite]") \
-            or name.startswith("[ReportAfterSuite]") or name.startswith("[BeforeSuite]") or name.startswith("[AfterSuite]"):
-        if case.find("failure") is None and case.find("error") is None:
-            continue
-    if case.find("failure") is not None or case.find("error") is not None:
-        el = case.find("failure") if case.find("failure") is not None else case.find("error")
-        state, why = "failed", (el.get("message") or "").splitlines()[0:1]
+    failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+    suite_node = name.startswith(("[SynchronizedBeforeSuite]", "[SynchronizedAfterSuite]",
+                                  "[BeforeSuite]", "[AfterSuite]", "[ReportBeforeSuite]", "[ReportAfterSuite]"))
+    if suite_node and failure is None:
+        continue  # the suite's set-up and reports: counted only when they fail
+    if failure is not None:
+        state, why = "failed", (failure.get("message") or "").splitlines()[0:1]
     elif case.find("skipped") is not None:
         why = case.find("skipped").get("message") or ""
         if why.strip() in ("", "skipped"):

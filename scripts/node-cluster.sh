@@ -19,6 +19,10 @@
 #   scripts/node-cluster.sh exec CMD …  run CMD in the node's network namespace
 #   scripts/node-cluster.sh ext CMD …   run CMD in the "outside" namespace (a client on the
 #                                     node's link, like another machine of its LAN)
+#   scripts/node-cluster.sh dns       CoreDNS (tests/node/coredns.yaml, image from
+#                                     scripts/build-images.sh coredns) as the cluster DNS at
+#                                     $CLUSTER_DNS_IP; needs a node brought up with
+#                                     CLUSTERIP_NODE_DNS=1 (kubelet's clusterDNS)
 #   scripts/node-cluster.sh load-images [DIR]   import target/images/*.oci.tar again (after
 #                                     scripts/build-images.sh), or DIR/*.oci.tar (the e2e
 #                                     suite's images: scripts/lib/build-e2e-images.sh --load)
@@ -49,6 +53,9 @@ POD_CIDR=198.18.241.0/24
 SERVICE_CIDR=198.18.242.0/24
 CLUSTERIP_CIDR=198.18.242.128/25
 APISERVER_VIP=198.18.242.1
+# The cluster DNS Service (kube-dns), when CLUSTERIP_NODE_DNS=1: an address of clusterip's
+# range too (its static band), so the same manifest is admitted in both configurations.
+CLUSTER_DNS_IP=198.18.242.138
 PROXY=${CLUSTERIP_NODE_PROXY:-clusterip-agent}
 MEMORY_LIMIT=${CLUSTERIP_NODE_MEMORY:-6G}
 registry="${TMPDIR:-/tmp}/clusterip-nodes"
@@ -265,9 +272,11 @@ authentication:
   x509: {clientCAFile: $state/pki/ca.crt}
 authorization: {mode: Webhook}
 clusterDomain: cluster.local
-# No DNS server for pods (and no query leaves the node for the machine's resolver): tests
-# reach Services by ClusterIP. kube-apiserver reaches kubelet by its InternalIP.
+# No DNS server for pods unless CLUSTERIP_NODE_DNS=1 (then the cluster DNS of `dns`), and no
+# query leaves the node for the machine's resolver: tests reach Services by ClusterIP.
+# kube-apiserver reaches kubelet by its InternalIP.
 resolvConf: ""
+$(if [ "${CLUSTERIP_NODE_DNS:-0}" = 1 ]; then echo "clusterDNS: [$CLUSTER_DNS_IP]"; fi)
 failSwapOn: false
 protectKernelDefaults: false
 podLogsDir: /var/log/pods
@@ -464,6 +473,17 @@ EOF
   log "deployed: $(kc -n clusterip-system get deployment clusterip-controller -o jsonpath='{.status.readyReplicas}') controller replicas ready"
 }
 
+# CoreDNS as the cluster DNS (the e2e suite resolves Service names), as kubeadm installs it.
+cmd_dns() {
+  init_pid >/dev/null || die "no node running in $state ('$0 up' first)"
+  grep -q '^clusterDNS:' "$state/kubelet.yaml" || die "this node's kubelet has no clusterDNS (bring it up with CLUSTERIP_NODE_DNS=1)"
+  local image=registry.k8s.io/coredns/coredns:v$COREDNS_VERSION
+  CLUSTER_DNS_IP=$CLUSTER_DNS_IP COREDNS_IMAGE=$image envsubst '$CLUSTER_DNS_IP $COREDNS_IMAGE' \
+    < "$repo/tests/node/coredns.yaml" | kc apply -f - >&2
+  kc -n kube-system rollout status deployment/coredns --timeout=180s >&2
+  log "cluster DNS: CoreDNS v$COREDNS_VERSION at $CLUSTER_DNS_IP"
+}
+
 cmd_load_images() {
   local dir=${1:-$repo/target/images} pid img
   pid=$(init_pid) || die "no node running in $state"
@@ -556,6 +576,7 @@ case "${1:-}" in
   kubectl) shift; kc "$@" ;;
   exec) shift; in_node "$@" ;;
   ext) shift; ip netns exec "$EXTNS" "$@" ;;
+  dns) cmd_dns ;;
   load-images) shift; cmd_load_images "$@" ;;
-  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|load-images [DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|dns|load-images [DIR]" >&2; exit 2 ;;
 esac

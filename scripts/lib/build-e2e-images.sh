@@ -3,7 +3,8 @@
 # source and Debian packages (no registry is reachable), under the exact names the suite's
 # e2e.test asks for, and — with --load — imported into the running node's containerd.
 #
-#   scripts/lib/build-e2e-images.sh [--load]
+#   scripts/lib/build-e2e-images.sh [--load]     (--load: build only what has no archive,
+#                                                 then import them all into the node)
 #
 # The names come from `e2e.test --list-images` (written to target/images/e2e/list-images.txt);
 # scripts/build-images.sh builds each (targets e2e-agnhost, e2e-busybox, e2e-pause) into
@@ -18,6 +19,9 @@
 #             1.37.0: the nearest thing made from Debian packages)
 #   pause     the node's pause image (Kubernetes' build/pause of the same release) under the
 #             suite's pause name
+#   coredns   not named by the suite but expected of the cluster (it resolves Service names):
+#             CoreDNS v<COREDNS_VERSION>, kubeadm's, as registry.k8s.io/coredns/coredns
+#             (`scripts/node-cluster.sh dns` deploys it)
 # Not built: nginx (no selected test runs it), and every other image the list names.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -54,8 +58,13 @@ busybox=$(newest e2e-test-images/busybox)
 pause=$(newest pause)
 log "the suite pulls $agnhost, $busybox, $pause"
 
-E2E_BUSYBOX_TAG=${busybox##*:} E2E_PAUSE_TAG=${pause##*:} \
-  "$repo/scripts/build-images.sh" e2e-agnhost e2e-busybox e2e-pause
+# (--load builds only what has no archive yet.)
+build=()
+for i in e2e-agnhost e2e-busybox e2e-pause coredns; do
+  [ -n "$load" ] && [ -f "$out/${i#e2e-}.oci.tar" ] || build+=("$i")
+done
+[ ${#build[@]} = 0 ] || E2E_BUSYBOX_TAG=${busybox##*:} E2E_PAUSE_TAG=${pause##*:} \
+  "$repo/scripts/build-images.sh" "${build[@]}"
 
 # What was built is what the suite pulls (the archive's own reference name).
 for pair in "agnhost $agnhost" "busybox $busybox" "pause $pause"; do
@@ -67,5 +76,5 @@ done
 
 if [ -n "$load" ]; then
   "$repo/scripts/node-cluster.sh" load-images "$out"
-  log "loaded into the node: $agnhost $busybox $pause"
+  log "loaded into the node: $agnhost $busybox $pause and CoreDNS"
 fi

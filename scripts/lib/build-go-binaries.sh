@@ -5,6 +5,7 @@
 #   scripts/lib/build-go-binaries.sh kube-apiserver|kubectl|kube-proxy|etcd|ipallocbench ...
 #   scripts/lib/build-go-binaries.sh kubelet|kube-controller-manager|kube-scheduler ...
 #   scripts/lib/build-go-binaries.sh containerd|cni-plugins|pause   (the one-node cluster's parts)
+#   scripts/lib/build-go-binaries.sh coredns      the node's cluster DNS (scripts/conformance.sh)
 #   scripts/lib/build-go-binaries.sh e2e.test|agnhost   Kubernetes' e2e suite (`go test -c` of
 #                                   k8s.io/kubernetes/test/e2e) and its agnhost image's binary
 #                                   (scripts/conformance.sh, scripts/lib/build-e2e-images.sh)
@@ -30,6 +31,7 @@ etcd_dir="$cache_root/etcd-v$ETCD_VERSION"
 containerd_dir="$cache_root/containerd-v$CONTAINERD_VERSION"
 cni_dir="$cache_root/cni-plugins-v$CNI_PLUGINS_VERSION"
 pause_dir="$cache_root/pause-v$K8S_VERSION"
+coredns_dir="$cache_root/coredns-v$COREDNS_VERSION"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
 log() { echo "build-go-binaries: $*" >&2; }
@@ -299,6 +301,37 @@ GO
   )
 }
 
+# CoreDNS, its own main package (the repository root: every plugin of its plugin.cfg).
+build_coredns() {
+  local out="$coredns_dir/bin/coredns"
+  [ -x "$out" ] && return 0
+  lock_cache
+  [ -x "$out" ] && return 0
+  local mod="$coredns_dir/src"
+  rm -rf "$mod"; mkdir -p "$mod" "$coredns_dir/bin"
+  ( cd "$mod"
+    cat > go.mod <<MOD
+module clusterip.local/corednsbuild
+
+go 1.26
+
+require github.com/coredns/coredns v$COREDNS_VERSION
+MOD
+    cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import _ "github.com/coredns/coredns"
+GO
+    log "building CoreDNS v$COREDNS_VERSION from Go modules (cached in $coredns_dir)"
+    go mod tidy >&2
+    go build -trimpath -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=v$COREDNS_VERSION" \
+      -o "$out.tmp" github.com/coredns/coredns >&2
+  )
+  mv "$out.tmp" "$out"
+}
+
 # Kubernetes' pause (build/pause/linux/pause.c of the same release), compiled static with the
 # machine's C compiler; scripts/build-images.sh wraps it into the pause image.
 build_pause() {
@@ -321,6 +354,7 @@ for what in "$@"; do
     containerd) build_containerd ;;
     cni-plugins) build_cni_plugins ;;
     pause) build_pause ;;
+    coredns) build_coredns ;;
     ipallocbench) build_ipallocbench ;;
     e2e.test) build_e2e_test ;;
     agnhost) build_agnhost ;;
@@ -328,7 +362,8 @@ for what in "$@"; do
     k8s-module) k8s_module ;;
     k8s-e2e-module) k8s_e2e_module ;;
     print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin"
-      echo "CONTAINERD_BIN=$containerd_dir/bin"; echo "CNI_BIN=$cni_dir/bin"; echo "PAUSE_BIN=$pause_dir/bin" ;;
+      echo "CONTAINERD_BIN=$containerd_dir/bin"; echo "CNI_BIN=$cni_dir/bin"; echo "PAUSE_BIN=$pause_dir/bin"
+      echo "COREDNS_BIN=$coredns_dir/bin" ;;
     *) echo "build-go-binaries: unknown binary '$what'" >&2; exit 2 ;;
   esac
 done

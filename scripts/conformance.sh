@@ -6,9 +6,10 @@
 #                        proxy, the kube-apiserver's own ClusterIP allocator, no clusterip
 #   --proxy clusterip    clusterip deployed as a user does (`kubectl apply -k deploy/`): the
 #                        webhook/controller allocates, clusterip-agent is the proxy
-#                        (--backend ipaddress; etcd is not run on the node yet: refused)
+#                        (--backend ipaddress, the default, or etcd: the node's etcd, which
+#                        then serves the pods too — CLUSTERIP_NODE_BACKEND of node-cluster.sh)
 #
-#   scripts/conformance.sh [--proxy kube-proxy|clusterip] [--backend ipaddress]
+#   scripts/conformance.sh [--proxy kube-proxy|clusterip] [--backend ipaddress|etcd]
 #                          [--focus REGEX] [--skip REGEX] [--timeout MIN]
 #
 # Builds what is missing (e2e.test and the Kubernetes parts: scripts/lib/build-go-binaries.sh;
@@ -24,7 +25,8 @@
 #   RESULT conformance_<proxy>_<backend> passed=N failed=N skipped=N junit=<path>
 # (<backend> is "apiserver" for kube-proxy: the apiserver's own allocator.) Counts are of the
 # specs the focus selected; a spec the suite skips itself (e.g. it needs two nodes) is
-# skipped. The JUnit report and e2e.test's log stay in target/conformance/<config>-<date>/.
+# skipped. The JUnit report, e2e.test's log, the node's logs (node-logs/) and the logs of
+# the kube-system and clusterip-system pods (pod-logs/) stay in target/conformance/<config>-<date>/.
 # Exit status: 0 when nothing failed.
 #
 # Default focus: the [Conformance] tests of `[sig-network] Services` and of `ServiceCIDR and
@@ -66,8 +68,7 @@ case "$proxy" in
   clusterip)
     backend=${backend:-ipaddress}
     case "$backend" in
-      ipaddress) ;;
-      etcd) die "--backend etcd: the node has no etcd the controller pods can reach yet (docs/conformance.md, not yet done)" ;;
+      ipaddress|etcd) export CLUSTERIP_NODE_BACKEND=$backend ;;
       *) die "--backend takes ipaddress or etcd, not '$backend'" ;;
     esac ;;
   *) die "--proxy takes kube-proxy or clusterip, not '$proxy'" ;;
@@ -77,6 +78,20 @@ out=$repo/target/conformance/$config-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$out"
 started=$SECONDS
 
+# The node's own logs and those of the add-ons' pods, kept beside the report.
+save_logs() {
+  [ -f "$CLUSTERIP_NODE_DIR/admin.kubeconfig" ] || return 0
+  cp -r "$CLUSTERIP_NODE_DIR/logs" "$out/node-logs" 2>/dev/null || true
+  mkdir -p "$out/pod-logs"
+  local ns pod
+  for ns in kube-system clusterip-system; do
+    for pod in $("$node" kubectl -n "$ns" get pods -o name 2>/dev/null); do
+      "$node" kubectl -n "$ns" logs "$pod" --all-containers --timestamps \
+        > "$out/pod-logs/$ns.${pod#pod/}.log" 2>&1 || true
+    done
+  done
+}
+
 e2e_pid=
 finish() {
   local rc=$?
@@ -85,6 +100,7 @@ finish() {
     log "stopping e2e.test"
     kill -TERM "$e2e_pid" 2>/dev/null; wait "$e2e_pid" 2>/dev/null
   fi
+  save_logs
   "$node" down >&2 || true
   "$node" reap >&2 || true
   run_end

@@ -10,7 +10,8 @@
 #   scripts/node-cluster.sh deploy    certificates (scripts/gen-webhook-certs.sh) and
 #                                     `kubectl apply -k` of deploy/ (through a thin overlay
 #                                     with this node's ranges), wait for the agent and both
-#                                     controller replicas
+#                                     controller replicas (CLUSTERIP_NODE_BACKEND=etcd, at up
+#                                     and deploy: the etcd backend, on the node's etcd)
 #   scripts/node-cluster.sh down      stop the node and remove all of it
 #   scripts/node-cluster.sh status    say what runs; exit 0 when the node is up and Ready
 #   scripts/node-cluster.sh reap      remove nodes whose owner is gone, and namespaces and
@@ -57,6 +58,11 @@ APISERVER_VIP=198.18.242.1
 # range too (its static band), so the same manifest is admitted in both configurations.
 CLUSTER_DNS_IP=198.18.242.138
 PROXY=${CLUSTERIP_NODE_PROXY:-clusterip-agent}
+# clusterip's backend (deploy): ipaddress, or etcd — then the node's etcd also serves clients
+# on the node's address (plain HTTP, reachable from the pods only: the node's link and pod
+# network are the node's own) and the controller keeps its records there, under its own prefix.
+BACKEND=${CLUSTERIP_NODE_BACKEND:-ipaddress}
+case "$BACKEND" in ipaddress|etcd) ;; *) echo "node-cluster: CLUSTERIP_NODE_BACKEND is ipaddress or etcd, not '$BACKEND'" >&2; exit 2 ;; esac
 MEMORY_LIMIT=${CLUSTERIP_NODE_MEMORY:-6G}
 registry="${TMPDIR:-/tmp}/clusterip-nodes"
 WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
@@ -194,6 +200,7 @@ NODE_NAME=$NODE_NAME
 NODE_IP=$NODE_IP
 SERVICE_CIDR=$SERVICE_CIDR
 PROXY=$PROXY
+ETCD_CLIENT_URLS=http://127.0.0.1:2379$([ "$BACKEND" = etcd ] && echo ",http://$NODE_IP:2379")
 K8S_BIN=$K8S_BIN
 ETCD_BIN=$ETCD_BIN
 CONTAINERD_BIN=$CONTAINERD_BIN
@@ -272,7 +279,7 @@ authentication:
   x509: {clientCAFile: $state/pki/ca.crt}
 authorization: {mode: Webhook}
 clusterDomain: cluster.local
-# No DNS server for pods unless CLUSTERIP_NODE_DNS=1 (then the cluster DNS of `dns`), and no
+# No DNS server for pods unless CLUSTERIP_NODE_DNS=1 (then the cluster DNS of "dns"), and no
 # query leaves the node for the machine's resolver: tests reach Services by ClusterIP.
 # kube-apiserver reaches kubelet by its InternalIP.
 resolvConf: ""
@@ -421,8 +428,28 @@ kc_until() {
 # clusterip's range (a part of this node's Service range) and its address block size, the pod CIDR in the network
 # policy, the images' tag (dev, built by scripts/build-images.sh) and the apiserver endpoint
 # the agent uses (it cannot reach the apiserver through a ClusterIP it has yet to program).
+# The etcd backend (CLUSTERIP_NODE_BACKEND=etcd): the node's etcd, as operations.md says to
+# point --etcd-endpoints at one the pods reach. (args/1 is deploy/'s --backend=ipaddress.)
+deploy_backend_patch() {
+  [ "$BACKEND" = etcd ] || return 0
+  cat <<EOF
+  - target: {kind: Deployment, name: clusterip-controller}
+    patch: |
+      - op: replace
+        path: /spec/template/spec/containers/0/args/1
+        value: --backend=etcd
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --etcd-endpoints=http://$NODE_IP:2379
+EOF
+}
+
 cmd_deploy() {
   init_pid >/dev/null || die "no node running in $state ('$0 up' first)"
+  if [ "$BACKEND" = etcd ]; then
+    grep -q "^ETCD_CLIENT_URLS=.*$NODE_IP" "$state/node.env" ||
+      die "CLUSTERIP_NODE_BACKEND=etcd: this node's etcd serves no client on $NODE_IP (bring it up with CLUSTERIP_NODE_BACKEND=etcd)"
+  fi
   local certs=(nsenter --net="/run/netns/$NETNS" env PATH="$(dirname "$(kubectl_bin)"):$PATH"
     "$repo/scripts/gen-webhook-certs.sh" --dir "$state/webhook-certs"
     --apiserver-config-dir "$state/webhook-certs/apiserver" --kubeconfig "$state/admin.kubeconfig" --apply)
@@ -442,6 +469,7 @@ patches:
         value: --service-cidr=$CLUSTERIP_CIDR
       # (No --address-block-size: the default cuts the /25 into 8-address blocks, and a
       # replica whose blocks are used up is handed one over: docs/backends.md.)
+$(deploy_backend_patch)
   - target: {kind: NetworkPolicy, name: clusterip-controller}
     patch: |
       - op: replace
@@ -470,7 +498,7 @@ EOF
   kc -n clusterip-system rollout status deployment/clusterip-controller --timeout=240s >&2
   kc apply -k "$overlay" >&2
   "${certs[@]}" 2>>"$state/logs/gen-webhook-certs.log" || { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh --apply failed"; }
-  log "deployed: $(kc -n clusterip-system get deployment clusterip-controller -o jsonpath='{.status.readyReplicas}') controller replicas ready"
+  log "deployed: $(kc -n clusterip-system get deployment clusterip-controller -o jsonpath='{.status.readyReplicas}') controller replicas ready (backend $BACKEND)"
 }
 
 # CoreDNS as the cluster DNS (the e2e suite resolves Service names), as kubeadm installs it.

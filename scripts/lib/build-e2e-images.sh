@@ -68,10 +68,10 @@ done
 
 # What was built is what the suite pulls (the archive's own reference name).
 for pair in "agnhost $agnhost" "busybox $busybox" "pause $pause"; do
-  set -- $pair
-  name=$(tar -xOf "$out/$1.oci.tar" index.json |
+  read -r file ref <<< "$pair"
+  name=$(tar -xOf "$out/$file.oci.tar" index.json |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')
-  [ "$name" = "$2" ] || die "target/images/e2e/$1.oci.tar is $name, the suite pulls $2"
+  [ "$name" = "$ref" ] || die "target/images/e2e/$file.oci.tar is $name, the suite pulls $ref"
 done
 
 if [ -n "$load" ]; then

@@ -11,7 +11,7 @@
 #                                   (scripts/conformance.sh, scripts/lib/build-e2e-images.sh)
 #   scripts/lib/build-go-binaries.sh k8s-module     the wrapper module's directory, on stdout
 #   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=…, ETCD_BIN=…, CONTAINERD_BIN=…,
-#                                                   CNI_BIN=… and PAUSE_BIN=… lines
+#                                                   CNI_BIN=…, PAUSE_BIN=… and COREDNS_BIN=… lines
 #
 # Prints nothing but progress on stderr; the binaries land in the K8S_BIN / ETCD_BIN dirs.
 # CLUSTERIP_CACHE overrides the cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/clusterip).

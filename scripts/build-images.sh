@@ -5,8 +5,10 @@
 # Containerfiles are built unchanged (and build the same way elsewhere against real registries).
 #
 #   scripts/build-images.sh [clusterip] [clusterip-agent] [pause] [node-test]
+#                           [e2e-agnhost] [e2e-busybox] [e2e-pause] [coredns]
 #                                   (default: the first three; node-test: scripts/test-node.sh's
-#                                   workload, tests/node/Containerfile)
+#                                   workload, tests/node/Containerfile; e2e-*: the images
+#                                   Kubernetes' e2e suite runs, scripts/lib/build-e2e-images.sh)
 #
 # What it makes (in buildah's storage under ${CLUSTERIP_CACHE:-~/.cache/clusterip}/buildah):
 #   docker.io/library/debian:bookworm-slim   mmdebstrap --variant=minbase of bookworm, with
@@ -19,7 +21,16 @@
 #   registry.k8s.io/pause:<K8S_VERSION>      Kubernetes' pause, built from its source
 #                                            (scripts/lib/build-go-binaries.sh pause)
 # and an OCI archive of each of the last three in target/images/<name>.oci.tar, which
-# scripts/node-cluster.sh imports into the node's containerd.
+# scripts/node-cluster.sh imports into the node's containerd. The e2e suite's images, under
+# the names Kubernetes' e2e.test v<K8S_VERSION> pulls (archives in target/images/e2e/):
+#   registry.k8s.io/e2e-test-images/agnhost:<VERSION>   test/images/agnhost of the Kubernetes
+#                                            module (binary: build-go-binaries.sh agnhost) on
+#                                            Debian minbase with the tools its Dockerfile adds
+#   registry.k8s.io/e2e-test-images/busybox:<E2E_BUSYBOX_TAG>  Debian's busybox-static alone
+#   registry.k8s.io/pause:<E2E_PAUSE_TAG>    the pause image above under the e2e suite's name
+#   registry.k8s.io/coredns/coredns:v<COREDNS_VERSION>  the cluster DNS the suite expects
+#                                            (build-go-binaries.sh coredns), as CoreDNS's own
+#                                            Dockerfile makes it (target/images/e2e/coredns.oci.tar)
 #
 # Base images are made once (delete them with `buildah --root … rmi` to refresh). The Rust
 # builds keep their registry and target directories in buildah cache mounts, so a rebuild
@@ -50,7 +61,7 @@ die() { log "error: $*"; exit 1; }
 
 # buildah with storage of its own (never the machine's /var/lib/containers), its temporary
 # files and cache mounts under it too (buildah puts them in TMPDIR).
-mkdir -p "$bstore/tmp" "$out"
+mkdir -p "$bstore/tmp" "$out/e2e"
 export TMPDIR=$bstore/tmp
 bh() { buildah --root "$bstore/storage" --runroot "$bstore/run" --storage-driver overlay "$@"; }
 have_image() { bh inspect --type image "$1" >/dev/null 2>&1; }
@@ -143,6 +154,98 @@ build_pause() {
   log "built $pause_image"
 }
 
+# agnhost as test/images/agnhost/Dockerfile makes it, on Debian instead of Alpine: the tools
+# its tests exec (dig, curl, nc, ss/ip, iperf, bash, ipcs, socat), porter's certificate,
+# /uploads, the agnhost-2 link and the user/group defined in the image. Left out: CoreDNS
+# (DNS tests run it from this image) and the fake registry's content (/var/registry, image
+# pull tests); tests needing those are not run here (docs/conformance.md).
+build_e2e_agnhost() {
+  local mod src version bin ctr mnt
+  "$repo/scripts/lib/build-go-binaries.sh" agnhost
+  eval "$("$repo/scripts/lib/build-go-binaries.sh" print-dirs)"
+  bin=$K8S_BIN/agnhost
+  mod=$("$repo/scripts/lib/build-go-binaries.sh" k8s-e2e-module)
+  src=$(cd "$mod" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/agnhost
+  version=$(cat "$src/VERSION")
+  e2e_agnhost_image=registry.k8s.io/e2e-test-images/agnhost:$version
+  have_image "$e2e_agnhost_image" && [ ! "$bin" -nt "$out/e2e/agnhost.oci.tar" ] && return 0
+  ctr=$(debian_rootfs_image "$e2e_agnhost_image" bind9-dnsutils curl netcat-openbsd iproute2 \
+    iperf bash util-linux socat passwd)
+  mnt=$(bh mount "$ctr")
+  install -m 0755 "$bin" "$mnt/agnhost"
+  ln -s agnhost "$mnt/agnhost-2"
+  install -m 0644 "$src/porter/localhost.crt" "$src/porter/localhost.key" "$mnt/"
+  mkdir -p "$mnt/uploads"
+  ln -sf /usr/bin/iperf "$mnt/usr/local/bin/iperf"
+  chroot "$mnt" sh -ec 'groupadd -g 50000 group-defined-in-image
+    useradd -u 1000 -U -m -G group-defined-in-image user-defined-in-image'
+  bh umount "$ctr" >/dev/null
+  bh config --entrypoint '["/agnhost"]' --cmd pause --workingdir / \
+    --port 80 --port 8080 --port 8081 --port 9376 --port 5000 "$ctr"
+  bh commit --quiet --rm "$ctr" "$e2e_agnhost_image" >/dev/null
+  log "built $e2e_agnhost_image"
+}
+
+# busybox: the e2e suite's busybox image is Docker's busybox (one static binary, a link per
+# applet in /bin, a minimal /etc). Debian's busybox-static in an image of its own is the
+# nearest thing made from Debian packages: the same program, Debian's release of it and
+# Debian's applet set, tagged with the name the suite pulls.
+build_e2e_busybox() {
+  local tag=$1 dir ctr deb
+  e2e_busybox_image=registry.k8s.io/e2e-test-images/busybox:$tag
+  have_image "$e2e_busybox_image" && return 0
+  dir=$(mktemp -d "$bstore/tmp/busybox.XXXXXX")
+  chown _apt "$dir" 2>/dev/null || true   # (apt-get download fetches as _apt)
+  ( cd "$dir" && apt-get download -q busybox-static >&2 )
+  deb=$(ls "$dir"/busybox-static_*.deb)
+  dpkg-deb -x "$deb" "$dir/pkg"
+  mkdir -p "$dir/root/bin" "$dir/root/etc" "$dir/root/tmp" "$dir/root/root" "$dir/root/home"
+  chmod 1777 "$dir/root/tmp"
+  install -m 0755 "$dir/pkg/bin/busybox" "$dir/root/bin/busybox"
+  local a
+  for a in $("$dir/root/bin/busybox" --list); do
+    [ "$a" = busybox ] || ln -s busybox "$dir/root/bin/$a"
+  done
+  printf 'root:x:0:0:root:/root:/bin/sh\ndaemon:x:1:1:daemon:/usr/sbin:/bin/false\nnobody:x:65534:65534:nobody:/home:/bin/false\n' > "$dir/root/etc/passwd"
+  printf 'root:x:0:\ndaemon:x:1:\nnogroup:x:65534:\n' > "$dir/root/etc/group"
+  ctr=$(bh from scratch)
+  bh copy "$ctr" "$dir/root/" / >/dev/null
+  bh config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --cmd sh --os linux --arch amd64 "$ctr"
+  bh commit --quiet --rm "$ctr" "$e2e_busybox_image" >/dev/null
+  rm -rf "$dir"
+  log "built $e2e_busybox_image (Debian's busybox-static $(dpkg-deb -f "$deb" Version))"
+}
+
+# CoreDNS as its Dockerfile makes it: the binary, the CA certificates, user nonroot (65532)
+# — distroless/static-debian12:nonroot there, the same few files from Debian here.
+build_coredns() {
+  local bin dir ctr mnt
+  "$repo/scripts/lib/build-go-binaries.sh" coredns
+  eval "$("$repo/scripts/lib/build-go-binaries.sh" print-dirs)"
+  bin=$COREDNS_BIN/coredns
+  coredns_image=registry.k8s.io/coredns/coredns:v$COREDNS_VERSION
+  have_image "$coredns_image" && [ ! "$bin" -nt "$out/e2e/coredns.oci.tar" ] && return 0
+  make_debian_image
+  dir=$(mktemp -d "$bstore/tmp/coredns.XXXXXX")
+  mkdir -p "$dir/root/etc/ssl" "$dir/root/tmp" "$dir/root/home/nonroot"
+  chmod 1777 "$dir/root/tmp"
+  ctr=$(bh from --pull=never "$debian_image")
+  mnt=$(bh mount "$ctr")
+  cp -a "$mnt/etc/ssl/certs" "$dir/root/etc/ssl/"
+  bh umount "$ctr" >/dev/null; bh rm "$ctr" >/dev/null
+  printf 'root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' > "$dir/root/etc/passwd"
+  printf 'root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n' > "$dir/root/etc/group"
+  install -m 0755 "$bin" "$dir/root/coredns"
+  ctr=$(bh from scratch)
+  bh copy "$ctr" "$dir/root/" / >/dev/null
+  bh config --user 65532:65532 --workingdir / --port 53 --port 53/udp \
+    --entrypoint '["/coredns"]' --os linux --arch amd64 "$ctr"
+  bh commit --quiet --rm "$ctr" "$coredns_image" >/dev/null
+  rm -rf "$dir"
+  log "built $coredns_image"
+}
+
 export_archive() {
   local image=$1 file=$2
   rm -f "$out/$file.tmp"
@@ -170,6 +273,20 @@ for w in "${what[@]}"; do
     pause)
       build_pause
       export_archive "$pause_image" pause.oci.tar ;;
-    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test)" ;;
+    e2e-agnhost)
+      build_e2e_agnhost
+      export_archive "$e2e_agnhost_image" e2e/agnhost.oci.tar ;;
+    e2e-busybox)
+      build_e2e_busybox "${E2E_BUSYBOX_TAG:?the tag e2e.test pulls}"
+      export_archive "$e2e_busybox_image" e2e/busybox.oci.tar ;;
+    e2e-pause)
+      have_image "$pause_image" || build_pause
+      e2e_pause_image=registry.k8s.io/pause:${E2E_PAUSE_TAG:?the tag e2e.test pulls}
+      bh tag "$pause_image" "$e2e_pause_image"
+      export_archive "$e2e_pause_image" e2e/pause.oci.tar ;;
+    coredns)
+      build_coredns
+      export_archive "$coredns_image" e2e/coredns.oci.tar ;;
+    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause, coredns)" ;;
   esac
 done

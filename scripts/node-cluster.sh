@@ -10,7 +10,8 @@
 #   scripts/node-cluster.sh deploy    certificates (scripts/gen-webhook-certs.sh) and
 #                                     `kubectl apply -k` of deploy/ (through a thin overlay
 #                                     with this node's ranges), wait for the agent and both
-#                                     controller replicas
+#                                     controller replicas (CLUSTERIP_NODE_BACKEND=etcd, at up
+#                                     and deploy: the etcd backend, on the node's etcd)
 #   scripts/node-cluster.sh down      stop the node and remove all of it
 #   scripts/node-cluster.sh status    say what runs; exit 0 when the node is up and Ready
 #   scripts/node-cluster.sh reap      remove nodes whose owner is gone, and namespaces and
@@ -19,8 +20,13 @@
 #   scripts/node-cluster.sh exec CMD …  run CMD in the node's network namespace
 #   scripts/node-cluster.sh ext CMD …   run CMD in the "outside" namespace (a client on the
 #                                     node's link, like another machine of its LAN)
-#   scripts/node-cluster.sh load-images   import target/images/*.oci.tar again (after
-#                                     scripts/build-images.sh)
+#   scripts/node-cluster.sh dns       CoreDNS (tests/node/coredns.yaml, image from
+#                                     scripts/build-images.sh coredns) as the cluster DNS at
+#                                     $CLUSTER_DNS_IP; needs a node brought up with
+#                                     CLUSTERIP_NODE_DNS=1 (kubelet's clusterDNS)
+#   scripts/node-cluster.sh load-images [DIR]   import target/images/*.oci.tar again (after
+#                                     scripts/build-images.sh), or DIR/*.oci.tar (the e2e
+#                                     suite's images: scripts/lib/build-e2e-images.sh --load)
 #
 # Addresses (198.18.240.0/22, used by no test): the node's link 198.18.240.0/24 (node .2,
 # outside .1), pods 198.18.241.0/24 (CNI ptp + host-local), Services 198.18.242.0/24 (the
@@ -48,7 +54,15 @@ POD_CIDR=198.18.241.0/24
 SERVICE_CIDR=198.18.242.0/24
 CLUSTERIP_CIDR=198.18.242.128/25
 APISERVER_VIP=198.18.242.1
+# The cluster DNS Service (kube-dns), when CLUSTERIP_NODE_DNS=1: an address of clusterip's
+# range too (its static band), so the same manifest is admitted in both configurations.
+CLUSTER_DNS_IP=198.18.242.138
 PROXY=${CLUSTERIP_NODE_PROXY:-clusterip-agent}
+# clusterip's backend (deploy): ipaddress, or etcd — then the node's etcd also serves clients
+# on the node's address (plain HTTP, reachable from the pods only: the node's link and pod
+# network are the node's own) and the controller keeps its records there, under its own prefix.
+BACKEND=${CLUSTERIP_NODE_BACKEND:-ipaddress}
+case "$BACKEND" in ipaddress|etcd) ;; *) echo "node-cluster: CLUSTERIP_NODE_BACKEND is ipaddress or etcd, not '$BACKEND'" >&2; exit 2 ;; esac
 MEMORY_LIMIT=${CLUSTERIP_NODE_MEMORY:-6G}
 registry="${TMPDIR:-/tmp}/clusterip-nodes"
 WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
@@ -186,6 +200,7 @@ NODE_NAME=$NODE_NAME
 NODE_IP=$NODE_IP
 SERVICE_CIDR=$SERVICE_CIDR
 PROXY=$PROXY
+ETCD_CLIENT_URLS=http://127.0.0.1:2379$([ "$BACKEND" = etcd ] && echo ",http://$NODE_IP:2379")
 K8S_BIN=$K8S_BIN
 ETCD_BIN=$ETCD_BIN
 CONTAINERD_BIN=$CONTAINERD_BIN
@@ -264,9 +279,11 @@ authentication:
   x509: {clientCAFile: $state/pki/ca.crt}
 authorization: {mode: Webhook}
 clusterDomain: cluster.local
-# No DNS server for pods (and no query leaves the node for the machine's resolver): tests
-# reach Services by ClusterIP. kube-apiserver reaches kubelet by its InternalIP.
+# No DNS server for pods unless CLUSTERIP_NODE_DNS=1 (then the cluster DNS of "dns"), and no
+# query leaves the node for the machine's resolver: tests reach Services by ClusterIP.
+# kube-apiserver reaches kubelet by its InternalIP.
 resolvConf: ""
+$(if [ "${CLUSTERIP_NODE_DNS:-0}" = 1 ]; then echo "clusterDNS: [$CLUSTER_DNS_IP]"; fi)
 failSwapOn: false
 protectKernelDefaults: false
 podLogsDir: /var/log/pods
@@ -411,8 +428,28 @@ kc_until() {
 # clusterip's range (a part of this node's Service range) and its address block size, the pod CIDR in the network
 # policy, the images' tag (dev, built by scripts/build-images.sh) and the apiserver endpoint
 # the agent uses (it cannot reach the apiserver through a ClusterIP it has yet to program).
+# The etcd backend (CLUSTERIP_NODE_BACKEND=etcd): the node's etcd, as operations.md says to
+# point --etcd-endpoints at one the pods reach. (args/1 is deploy/'s --backend=ipaddress.)
+deploy_backend_patch() {
+  [ "$BACKEND" = etcd ] || return 0
+  cat <<EOF
+  - target: {kind: Deployment, name: clusterip-controller}
+    patch: |
+      - op: replace
+        path: /spec/template/spec/containers/0/args/1
+        value: --backend=etcd
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --etcd-endpoints=http://$NODE_IP:2379
+EOF
+}
+
 cmd_deploy() {
   init_pid >/dev/null || die "no node running in $state ('$0 up' first)"
+  if [ "$BACKEND" = etcd ]; then
+    grep -q "^ETCD_CLIENT_URLS=.*$NODE_IP" "$state/node.env" ||
+      die "CLUSTERIP_NODE_BACKEND=etcd: this node's etcd serves no client on $NODE_IP (bring it up with CLUSTERIP_NODE_BACKEND=etcd)"
+  fi
   local certs=(nsenter --net="/run/netns/$NETNS" env PATH="$(dirname "$(kubectl_bin)"):$PATH"
     "$repo/scripts/gen-webhook-certs.sh" --dir "$state/webhook-certs"
     --apiserver-config-dir "$state/webhook-certs/apiserver" --kubeconfig "$state/admin.kubeconfig" --apply)
@@ -432,6 +469,7 @@ patches:
         value: --service-cidr=$CLUSTERIP_CIDR
       # (No --address-block-size: the default cuts the /25 into 8-address blocks, and a
       # replica whose blocks are used up is handed one over: docs/backends.md.)
+$(deploy_backend_patch)
   - target: {kind: NetworkPolicy, name: clusterip-controller}
     patch: |
       - op: replace
@@ -460,14 +498,26 @@ EOF
   kc -n clusterip-system rollout status deployment/clusterip-controller --timeout=240s >&2
   kc apply -k "$overlay" >&2
   "${certs[@]}" 2>>"$state/logs/gen-webhook-certs.log" || { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh --apply failed"; }
-  log "deployed: $(kc -n clusterip-system get deployment clusterip-controller -o jsonpath='{.status.readyReplicas}') controller replicas ready"
+  log "deployed: $(kc -n clusterip-system get deployment clusterip-controller -o jsonpath='{.status.readyReplicas}') controller replicas ready (backend $BACKEND)"
+}
+
+# CoreDNS as the cluster DNS (the e2e suite resolves Service names), as kubeadm installs it.
+cmd_dns() {
+  init_pid >/dev/null || die "no node running in $state ('$0 up' first)"
+  grep -q '^clusterDNS:' "$state/kubelet.yaml" || die "this node's kubelet has no clusterDNS (bring it up with CLUSTERIP_NODE_DNS=1)"
+  local image=registry.k8s.io/coredns/coredns:v$COREDNS_VERSION
+  CLUSTER_DNS_IP=$CLUSTER_DNS_IP COREDNS_IMAGE=$image envsubst '$CLUSTER_DNS_IP $COREDNS_IMAGE' \
+    < "$repo/tests/node/coredns.yaml" | kc apply -f - >&2
+  kc -n kube-system rollout status deployment/coredns --timeout=180s >&2
+  log "cluster DNS: CoreDNS v$COREDNS_VERSION at $CLUSTER_DNS_IP"
 }
 
 cmd_load_images() {
-  local pid img
+  local dir=${1:-$repo/target/images} pid img
   pid=$(init_pid) || die "no node running in $state"
   eval "$("$builder" print-dirs)"
-  for img in "$repo"/target/images/*.oci.tar; do
+  for img in "$dir"/*.oci.tar; do
+    [ -f "$img" ] || die "no image archive in $dir"
     nsenter -t "$pid" -m -n "$CONTAINERD_BIN/ctr" --address /run/containerd/containerd.sock -n k8s.io \
       images import --no-unpack --local "$img" >&2
   done
@@ -554,6 +604,7 @@ case "${1:-}" in
   kubectl) shift; kc "$@" ;;
   exec) shift; in_node "$@" ;;
   ext) shift; ip netns exec "$EXTNS" "$@" ;;
-  load-images) cmd_load_images ;;
-  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|load-images" >&2; exit 2 ;;
+  dns) cmd_dns ;;
+  load-images) shift; cmd_load_images "$@" ;;
+  *) echo "usage: $0 up|deploy|down|status|reap|kubectl ARGS|exec CMD|ext CMD|dns|load-images [DIR]" >&2; exit 2 ;;
 esac

@@ -5,9 +5,13 @@
 #   scripts/lib/build-go-binaries.sh kube-apiserver|kubectl|kube-proxy|etcd|ipallocbench ...
 #   scripts/lib/build-go-binaries.sh kubelet|kube-controller-manager|kube-scheduler ...
 #   scripts/lib/build-go-binaries.sh containerd|cni-plugins|pause   (the one-node cluster's parts)
+#   scripts/lib/build-go-binaries.sh coredns      the node's cluster DNS (scripts/conformance.sh)
+#   scripts/lib/build-go-binaries.sh e2e.test|agnhost   Kubernetes' e2e suite (`go test -c` of
+#                                   k8s.io/kubernetes/test/e2e) and its agnhost image's binary
+#                                   (scripts/conformance.sh, scripts/lib/build-e2e-images.sh)
 #   scripts/lib/build-go-binaries.sh k8s-module     the wrapper module's directory, on stdout
 #   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=…, ETCD_BIN=…, CONTAINERD_BIN=…,
-#                                                   CNI_BIN=… and PAUSE_BIN=… lines
+#                                                   CNI_BIN=…, PAUSE_BIN=… and COREDNS_BIN=… lines
 #
 # Prints nothing but progress on stderr; the binaries land in the K8S_BIN / ETCD_BIN dirs.
 # CLUSTERIP_CACHE overrides the cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/clusterip).
@@ -27,6 +31,7 @@ etcd_dir="$cache_root/etcd-v$ETCD_VERSION"
 containerd_dir="$cache_root/containerd-v$CONTAINERD_VERSION"
 cni_dir="$cache_root/cni-plugins-v$CNI_PLUGINS_VERSION"
 pause_dir="$cache_root/pause-v$K8S_VERSION"
+coredns_dir="$cache_root/coredns-v$COREDNS_VERSION"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
 log() { echo "build-go-binaries: $*" >&2; }
@@ -100,12 +105,73 @@ build_k8s() {
   local mod; mod=$(k8s_module)
   mkdir -p "$k8s_dir/bin"
   log "building $name v$K8S_VERSION from Go modules (slow the first time; cached in $k8s_dir)"
-  ( cd "$mod" && go build -trimpath -ldflags "-s -w \
+  ( cd "$mod" && go build -trimpath -ldflags "$(k8s_ldflags)" -o "$out.tmp" "k8s.io/kubernetes/cmd/$name" ) >&2
+  mv "$out.tmp" "$out"
+}
+
+# The e2e suite and agnhost resolve in the same wrapper module (same requires, same staging
+# replace lines): test/e2e, agnhost and what e2e_test.go imports are added to it once, in a
+# second tools file, and the module tidied again (marker .ready-e2e). Every package comes from
+# kubernetes' own go.mod, so the versions the other binaries were built with do not move.
+k8s_e2e_module() {
+  local mod; mod=$(k8s_module)
+  [ -f "$mod/.ready-e2e" ] && { echo "$mod"; return; }
+  lock_cache
+  [ -f "$mod/.ready-e2e" ] && { echo "$mod"; return; }
+  ( cd "$mod"
+    rm -f .ready
+    write_tools() {
+      { printf '//go:build tools\n\npackage tools\n\nimport (\n'
+        printf '\t_ "%s"\n' "$@"
+        printf ')\n'; } > tools_e2e.go
+    }
+    write_tools k8s.io/kubernetes/test/e2e k8s.io/kubernetes/test/images/agnhost
+    log "resolving Kubernetes v$K8S_VERSION's e2e suite in the wrapper module (first time only)"
+    go mod tidy >&2
+    # (tidy follows the tests of the main module's packages only: add what e2e_test.go imports.)
+    local imports
+    mapfile -t imports < <(go list -f '{{join .TestImports "\n"}}' k8s.io/kubernetes/test/e2e | grep '\.' | sort -u)
+    write_tools k8s.io/kubernetes/test/e2e k8s.io/kubernetes/test/images/agnhost "${imports[@]}"
+    go mod tidy >&2
+    touch .ready .ready-e2e
+  )
+  echo "$mod"
+}
+
+# The Kubernetes version stamped into what is built from the wrapper module.
+k8s_ldflags() {
+  echo "-s -w \
       -X k8s.io/component-base/version.gitVersion=v$K8S_VERSION \
       -X k8s.io/component-base/version.gitMajor=1 \
       -X k8s.io/component-base/version.gitMinor=${K8S_VERSION#1.} \
-      -X k8s.io/client-go/pkg/version.gitVersion=v$K8S_VERSION" \
-      -o "$out.tmp" "k8s.io/kubernetes/cmd/$name" ) >&2
+      -X k8s.io/client-go/pkg/version.gitVersion=v$K8S_VERSION"
+}
+
+# e2e.test: Kubernetes' own e2e suite, `go test -c` of k8s.io/kubernetes/test/e2e (its
+# manifests and conformance list are embedded: no repository checkout is needed to run it).
+build_e2e_test() {
+  local out="$k8s_dir/bin/e2e.test"
+  [ -x "$out" ] && return 0
+  lock_cache
+  [ -x "$out" ] && return 0
+  local mod; mod=$(k8s_e2e_module)
+  mkdir -p "$k8s_dir/bin"
+  log "building e2e.test v$K8S_VERSION from Go modules (slow the first time; cached in $k8s_dir)"
+  ( cd "$mod" && go test -c -trimpath -ldflags "$(k8s_ldflags)" -o "$out.tmp" k8s.io/kubernetes/test/e2e ) >&2
+  mv "$out.tmp" "$out"
+}
+
+# agnhost (test/images/agnhost, a main package of the same module): the e2e suite's
+# all-purpose test server. Its version is test/images/agnhost/VERSION of the module.
+build_agnhost() {
+  local out="$k8s_dir/bin/agnhost"
+  [ -x "$out" ] && return 0
+  lock_cache
+  [ -x "$out" ] && return 0
+  local mod; mod=$(k8s_e2e_module)
+  mkdir -p "$k8s_dir/bin"
+  log "building agnhost (Kubernetes v$K8S_VERSION's test/images/agnhost) from Go modules"
+  ( cd "$mod" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" k8s.io/kubernetes/test/images/agnhost ) >&2
   mv "$out.tmp" "$out"
 }
 
@@ -235,6 +301,37 @@ GO
   )
 }
 
+# CoreDNS, its own main package (the repository root: every plugin of its plugin.cfg).
+build_coredns() {
+  local out="$coredns_dir/bin/coredns"
+  [ -x "$out" ] && return 0
+  lock_cache
+  [ -x "$out" ] && return 0
+  local mod="$coredns_dir/src"
+  rm -rf "$mod"; mkdir -p "$mod" "$coredns_dir/bin"
+  ( cd "$mod"
+    cat > go.mod <<MOD
+module clusterip.local/corednsbuild
+
+go 1.26
+
+require github.com/coredns/coredns v$COREDNS_VERSION
+MOD
+    cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import _ "github.com/coredns/coredns"
+GO
+    log "building CoreDNS v$COREDNS_VERSION from Go modules (cached in $coredns_dir)"
+    go mod tidy >&2
+    go build -trimpath -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=v$COREDNS_VERSION" \
+      -o "$out.tmp" github.com/coredns/coredns >&2
+  )
+  mv "$out.tmp" "$out"
+}
+
 # Kubernetes' pause (build/pause/linux/pause.c of the same release), compiled static with the
 # machine's C compiler; scripts/build-images.sh wraps it into the pause image.
 build_pause() {
@@ -257,11 +354,16 @@ for what in "$@"; do
     containerd) build_containerd ;;
     cni-plugins) build_cni_plugins ;;
     pause) build_pause ;;
+    coredns) build_coredns ;;
     ipallocbench) build_ipallocbench ;;
+    e2e.test) build_e2e_test ;;
+    agnhost) build_agnhost ;;
     etcd) build_etcd ;;
     k8s-module) k8s_module ;;
+    k8s-e2e-module) k8s_e2e_module ;;
     print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin"
-      echo "CONTAINERD_BIN=$containerd_dir/bin"; echo "CNI_BIN=$cni_dir/bin"; echo "PAUSE_BIN=$pause_dir/bin" ;;
+      echo "CONTAINERD_BIN=$containerd_dir/bin"; echo "CNI_BIN=$cni_dir/bin"; echo "PAUSE_BIN=$pause_dir/bin"
+      echo "COREDNS_BIN=$coredns_dir/bin" ;;
     *) echo "build-go-binaries: unknown binary '$what'" >&2; exit 2 ;;
   esac
 done

@@ -75,7 +75,7 @@ done
 
 # ---------------------------------------------------------------- control plane
 spawn etcd "$ETCD_BIN/etcd" --name node --data-dir "$state/etcd" \
-  --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+  --listen-client-urls "$ETCD_CLIENT_URLS" --advertise-client-urls http://127.0.0.1:2379 \
   --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
   --initial-cluster node=http://127.0.0.1:2380 --listen-metrics-urls http://127.0.0.1:2381 \
   --quota-backend-bytes 2147483648 --log-level warn

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# Kubernetes' own e2e tests (e2e.test v<K8S_VERSION>, the release the node runs) against the
+# one-node cluster, in one of two configurations, with the same binary on the same node:
+#
+#   --proxy kube-proxy   stock: kube-proxy v<K8S_VERSION> in nftables mode as the node's Service
+#                        proxy, the kube-apiserver's own ClusterIP allocator, no clusterip
+#   --proxy clusterip    clusterip deployed as a user does (`kubectl apply -k deploy/`): the
+#                        webhook/controller allocates, clusterip-agent is the proxy
+#                        (--backend ipaddress, the default, or etcd: the node's etcd, which
+#                        then serves the pods too — CLUSTERIP_NODE_BACKEND of node-cluster.sh)
+#
+#   scripts/conformance.sh [--proxy kube-proxy|clusterip] [--backend ipaddress|etcd]
+#                          [--focus REGEX] [--skip REGEX] [--timeout MIN]
+#
+# Builds what is missing (e2e.test and the Kubernetes parts: scripts/lib/build-go-binaries.sh;
+# the clusterip images: scripts/build-images.sh; the suite's images and CoreDNS:
+# scripts/lib/build-e2e-images.sh), brings a node of its own up (scripts/node-cluster.sh,
+# state in $TMPDIR/cipnode-conformance-<pid>, owned by this run), loads the suite's images,
+# deploys clusterip (clusterip only), then CoreDNS as the cluster DNS (`node-cluster.sh dns`:
+# the suite reaches Services by name), runs e2e.test inside the node's network namespace
+# (the kube-apiserver is reachable only there) bounded by --timeout minutes (default 60),
+# brings the node down and reaps. The tests are the suite's, in Go: this only launches them.
+#
+# Prints, last:
+#   RESULT conformance_<proxy>_<backend> passed=N failed=N skipped=N junit=<path>
+# (<backend> is "apiserver" for kube-proxy: the apiserver's own allocator.) Counts are of the
+# specs the focus selected; a spec the suite skips itself (e.g. it needs two nodes) is
+# skipped. The JUnit report, e2e.test's log, the node's logs (node-logs/) and the logs of
+# the kube-system and clusterip-system pods (pod-logs/) stay in target/conformance/<config>-<date>/.
+# Exit status: 0 when nothing failed.
+#
+# Default focus: the [Conformance] tests of `[sig-network] Services` and of `ServiceCIDR and
+# IPAddress API`. Default skip: [Disruptive], [Serial], [Flaky], [Feature:…] and LoadBalancer
+# tests (docs/conformance.md says why each is out).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+# shellcheck source=lib/run.sh
+. "$repo/scripts/lib/run.sh"
+
+node=$repo/scripts/node-cluster.sh
+builder=$repo/scripts/lib/build-go-binaries.sh
+proxy=clusterip backend= timeout_min=60
+focus='\[sig-network\] (Services|ServiceCIDR and IPAddress API) .*\[Conformance\]'
+skip='\[Disruptive\]|\[Serial\]|\[Flaky\]|\[Feature:[^]]+\]|LoadBalancer'
+
+log() { echo "conformance: $*" >&2; }
+die() { log "error: $*"; exit 2; }
+usage() { sed -n '/^#   scripts\/conformance.sh/,/^#  *\[--focus/p' "$0" | sed 's/^# *//' >&2; exit 2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --proxy) proxy=${2:?}; shift 2 ;;
+    --backend) backend=${2:?}; shift 2 ;;
+    --focus) focus=${2:?}; shift 2 ;;
+    --skip) skip=${2?}; shift 2 ;;
+    --timeout) timeout_min=${2:?}; shift 2 ;;
+    -h|--help) usage ;;
+    *) log "unknown argument '$1'"; usage ;;
+  esac
+done
+[[ $timeout_min =~ ^[1-9][0-9]*$ ]] || die "--timeout takes whole minutes, not '$timeout_min'"
+case "$proxy" in
+  kube-proxy)
+    # (No clusterip, so no clusterip backend: a --backend here would be ignored, so refuse it.)
+    [ -z "$backend" ] || die "--backend $backend: --proxy kube-proxy runs the apiserver's own allocator, no clusterip backend"
+    backend=apiserver ;;
+  clusterip)
+    backend=${backend:-ipaddress}
+    case "$backend" in
+      ipaddress|etcd) export CLUSTERIP_NODE_BACKEND=$backend ;;
+      *) die "--backend takes ipaddress or etcd, not '$backend'" ;;
+    esac ;;
+  *) die "--proxy takes kube-proxy or clusterip, not '$proxy'" ;;
+esac
+config=${proxy}_$backend
+out=$repo/target/conformance/$config-$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$out"
+started=$SECONDS
+
+# The node's own logs and those of the add-ons' pods, kept beside the report.
+save_logs() {
+  [ -f "$CLUSTERIP_NODE_DIR/admin.kubeconfig" ] || return 0
+  cp -r "$CLUSTERIP_NODE_DIR/logs" "$out/node-logs" 2>/dev/null || true
+  mkdir -p "$out/pod-logs"
+  local ns pod
+  for ns in kube-system clusterip-system; do
+    for pod in $("$node" kubectl -n "$ns" get pods -o name 2>/dev/null); do
+      "$node" kubectl -n "$ns" logs "$pod" --all-containers --timestamps \
+        > "$out/pod-logs/$ns.${pod#pod/}.log" 2>&1 || true
+    done
+  done
+}
+
+e2e_pid=
+finish() {
+  local rc=$?
+  # (TERM to `timeout`: it passes it on to run-capped, which ends e2e.test and what it ran.)
+  if [ -n "$e2e_pid" ] && kill -0 "$e2e_pid" 2>/dev/null; then
+    log "stopping e2e.test"
+    kill -TERM "$e2e_pid" 2>/dev/null; wait "$e2e_pid" 2>/dev/null
+  fi
+  save_logs
+  "$node" down >&2 || true
+  "$node" reap >&2 || true
+  run_end
+  log "$((SECONDS - started))s in all; logs in $out"
+  exit $rc
+}
+
+run_begin conformance
+"$node" reap >&2 || true
+export CLUSTERIP_NODE_DIR=${CLUSTERIP_NODE_DIR:-${TMPDIR:-/tmp}/cipnode-conformance-$$}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+# ---------------------------------------------------------------- build what is missing
+t0=$SECONDS
+"$builder" e2e.test kubectl || die "building e2e.test failed"
+eval "$("$builder" print-dirs)"
+"$repo/scripts/lib/build-e2e-images.sh" || die "building the e2e suite's images failed"
+# (pause is the node's sandbox image, in both configurations.)
+images=(pause)
+[ "$proxy" = clusterip ] && images+=(clusterip clusterip-agent)
+scripts/build-images.sh "${images[@]}" >&2 || die "building ${images[*]} failed"
+log "builds: $((SECONDS - t0))s"
+
+# ---------------------------------------------------------------- the node
+t0=$SECONDS
+if [ "$proxy" = kube-proxy ]; then export CLUSTERIP_NODE_PROXY=kube-proxy; else export CLUSTERIP_NODE_PROXY=clusterip-agent; fi
+# (clusterip's images were built above, or are not needed: up imports what target/images has.
+# CLUSTERIP_NODE_DNS=1: kubelet points pods at the cluster DNS deployed below.)
+CLUSTERIP_NODE_DNS=1 CLUSTERIP_NODE_BUILD_IMAGES=0 "$node" up >&2 || die "the node did not come up"
+"$repo/scripts/lib/build-e2e-images.sh" --load || die "loading the e2e suite's images failed"
+if [ "$proxy" = clusterip ]; then
+  "$node" deploy >&2 || die "deploying clusterip failed"
+fi
+# (After clusterip: its webhook then admits kube-dns's address, as every other Service's.)
+"$node" dns >&2 || die "deploying the cluster DNS failed"
+log "node ready ($config): $((SECONDS - t0))s"
+
+# ---------------------------------------------------------------- the suite
+t0=$SECONDS
+junit=$out/junit.xml
+log "running e2e.test (focus: $focus; skip: $skip; at most $timeout_min min); log: $out/e2e.log"
+# (ginkgo's own timeout ends the suite with a report; the outer one bounds a hung process.)
+timeout --kill-after=30s "$((timeout_min * 60 + 300))s" \
+  "$repo/scripts/lib/run-capped.sh" 4096 -- \
+  "$node" exec env PATH="$K8S_BIN:$PATH" HOME="$out" "$K8S_BIN/e2e.test" \
+    --provider=local --kubeconfig="$CLUSTERIP_NODE_DIR/admin.kubeconfig" \
+    --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" \
+    --ginkgo.focus="$focus" --ginkgo.skip="$skip" \
+    --ginkgo.junit-report="$junit" --ginkgo.timeout="${timeout_min}m" \
+    --ginkgo.no-color --ginkgo.v --ginkgo.silence-skips > "$out/e2e.log" 2>&1 &
+# (In the background, so that INT/TERM reach this shell's trap while the suite runs.)
+e2e_pid=$!
+wait "$e2e_pid"
+e2e_rc=$?
+e2e_pid=
+log "e2e.test exited $e2e_rc after $((SECONDS - t0))s"
+grep -E '^(Ran [0-9]+ of|FAIL!|SUCCESS!|run-capped:)' "$out/e2e.log" >&2 || tail -n 20 "$out/e2e.log" >&2
+
+# The node's memory (its cgroup's peak: every process of the node and its pods).
+cg=$(cat "$CLUSTERIP_NODE_DIR/cgroup" 2>/dev/null || true)
+[ -n "$cg" ] && [ -f "/sys/fs/cgroup/memory$cg/memory.max_usage_in_bytes" ] &&
+  log "node memory peak: $(( $(cat "/sys/fs/cgroup/memory$cg/memory.max_usage_in_bytes") / 1048576 )) MiB"
+
+# Counts from the JUnit report: specs the focus did not select are listed there as skipped
+# with no reason; they are not counted.
+[ -f "$junit" ] || { echo "RESULT conformance_$config passed=0 failed=0 skipped=0 junit=none (e2e.test exited $e2e_rc)"; exit 1; }
+python3 - "$junit" "$config" "$out/results.tsv" <<'PY'
+import sys, xml.etree.ElementTree as ET
+junit, config, tsv = sys.argv[1:]
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+rows = []
+for case in ET.parse(junit).iter("testcase"):
+    name = case.get("name", "")
+    failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+    suite_node = name.startswith(("[SynchronizedBeforeSuite]", "[SynchronizedAfterSuite]",
+                                  "[BeforeSuite]", "[AfterSuite]", "[ReportBeforeSuite]", "[ReportAfterSuite]"))
+    if suite_node and failure is None:
+        continue  # the suite's set-up and reports: counted only when they fail
+    if failure is not None:
+        state, why = "failed", (failure.get("message") or "").splitlines()[0:1]
+    elif case.find("skipped") is not None:
+        why = case.find("skipped").get("message") or ""
+        if why.strip() in ("", "skipped"):
+            continue  # not selected by the focus
+        state, why = "skipped", [why]
+    else:
+        state, why = "passed", []
+    counts[state] += 1
+    rows.append(f"{state}\t{name}\t{' '.join(why)[:300]}")
+with open(tsv, "w") as f:
+    f.write("\n".join(rows) + "\n")
+for r in rows:
+    print("  " + r, file=sys.stderr)
+print(f"RESULT conformance_{config} passed={counts['passed']} failed={counts['failed']} "
+      f"skipped={counts['skipped']} junit={junit}")
+sys.exit(1 if counts["failed"] else 0)
+PY

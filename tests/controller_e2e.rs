@@ -368,6 +368,20 @@ async fn admission_cases(backend: &str, slice: Slice) {
     let out = cp.kubectl().args(["get", "ipaddresses", &got[0].to_string(), "-o", "jsonpath={.spec.parentRef.resource}/{.spec.parentRef.namespace}/{.spec.parentRef.name}"]).output().expect("kubectl");
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("services/{}/dynamic", wh.namespace), "{}", String::from_utf8_lossy(&out.stderr));
 
+    // A Service whose status carries a condition set with a zero lastTransitionTime (the
+    // apiserver stores and sends it as null) can still be updated: stock allows it, and our
+    // webhook read such a review as malformed before (Kubernetes' e2e "should complete a
+    // service status lifecycle" failed on it).
+    let condition = json!({"status": {"conditions": [{"type": "StatusUpdate", "status": "True", "reason": "E2E", "message": "Set from e2e test", "lastTransitionTime": null}]}});
+    // (Untyped: k8s-openapi's Service cannot read that condition back either.)
+    let untyped: Api<kube::api::DynamicObject> = Api::namespaced_with(wh.client.clone(), &wh.namespace, &kube::api::ApiResource::erase::<Service>(&()));
+    let pp = kube::api::PatchParams::default();
+    untyped.patch_status("dynamic", &pp, &kube::api::Patch::Merge(&condition)).await.expect("set a status condition");
+    let labelled = untyped.patch("dynamic", &pp, &kube::api::Patch::Merge(&json!({"metadata": {"labels": {"patched": "yes"}}}))).await;
+    let labelled = labelled.unwrap_or_else(|e| panic!("an update of a Service with a null condition time was refused: {e}"));
+    assert_eq!(labelled.metadata.labels.as_ref().and_then(|l| l.get("patched")).map(String::as_str), Some("yes"));
+    assert!(labelled.data["status"]["conditions"][0]["lastTransitionTime"].is_null(), "{:?}", labelled.data);
+
     // Static: honoured (an address of our static band).
     let svc = api.create(&PostParams::default(), &service("static", |s| s.cluster_ip = Some(st.into()))).await.expect("static");
     assert_eq!(ips(&svc), vec![st.parse::<IpAddr>().unwrap()]);

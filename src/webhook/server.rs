@@ -61,8 +61,20 @@ pub fn parse_review(body: &[u8]) -> Result<AdmissionRequest<Service>, String> {
     if body.is_empty() {
         return Err("empty body: expected an AdmissionReview (admission.k8s.io/v1) JSON object".into());
     }
-    let review: AdmissionReview<Service> =
-        serde_json::from_slice(body).map_err(|e| format!("body is not an AdmissionReview of a Service: {e}"))?;
+    let mut review: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
+    // Admission reads the spec and metadata, never the status; and a status the apiserver
+    // stores can fail the typed read: a condition set with a zero `lastTransitionTime` comes
+    // as `null`, which k8s-openapi's Condition requires to be a timestamp (found by
+    // Kubernetes' e2e "should complete a service status lifecycle": every later update of
+    // such a Service was refused with a 400).
+    if let Some(request) = review.get_mut("request").and_then(|r| r.as_object_mut()) {
+        for which in ["object", "oldObject"] {
+            if let Some(object) = request.get_mut(which).and_then(|o| o.as_object_mut()) {
+                object.remove("status");
+            }
+        }
+    }
+    let review: AdmissionReview<Service> = serde_json::from_value(review).map_err(|e| format!("body is not an AdmissionReview of a Service: {e}"))?;
     // The answer echoes the request's apiVersion and kind, so anything but the one version
     // our webhook configurations ask for (`admissionReviewVersions: ["v1"]`) is refused here
     // rather than answered in a form the kube-apiserver cannot read (found by fuzzing).
@@ -205,6 +217,20 @@ mod tests {
             }
         })
         .to_string()
+    }
+
+    #[test]
+    fn a_status_the_typed_service_cannot_read_does_not_fail_the_review() {
+        // As the kube-apiserver sends an UPDATE of a Service whose status condition was set
+        // with a zero lastTransitionTime (Kubernetes' e2e service status lifecycle test).
+        let mut review: serde_json::Value = serde_json::from_str(&review("admission.k8s.io/v1", "AdmissionReview")).expect("json");
+        let status = serde_json::json!({"conditions": [{"type": "StatusUpdate", "status": "True", "reason": "E2E", "message": "Set from e2e test", "lastTransitionTime": null}], "loadBalancer": {}});
+        review["request"]["operation"] = "UPDATE".into();
+        review["request"]["object"]["status"] = status.clone();
+        review["request"]["oldObject"] = review["request"]["object"].clone();
+        let parsed = parse_review(review.to_string().as_bytes()).expect("parsed");
+        assert!(parsed.object.is_some() && parsed.old_object.is_some());
+        assert_eq!(parsed.object.and_then(|s| s.metadata.name).as_deref(), Some("web"));
     }
 
     #[test]

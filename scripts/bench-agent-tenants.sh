@@ -37,7 +37,8 @@ cap=${BENCH_MEM_CAP_MIB:-4096}
 cargo bench -j2 -p clusterip-agent --bench tenants --no-run >&2
 one() { # label, agent binary ("" = this build), extra agent flags, min sync period
   local log rc=0
-  log=$(mktemp /tmp/bench-agent-tenants.XXXXXX.log)
+  mkdir -p "$CARGO_TARGET_DIR/tmp"
+  log=$(mktemp "$CARGO_TARGET_DIR/tmp/bench-agent-tenants.XXXXXX.log")
   echo "bench-agent-tenants: run $1" >&2
   TENANTS_AGENT_FLAGS=$3 TENANTS_MIN_SYNC_PERIOD=${4:-1s} \
     scripts/lib/run-capped.sh "$cap" -- env ${2:+CLUSTERIP_AGENT_BIN=$2} \

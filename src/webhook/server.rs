@@ -61,7 +61,7 @@ pub fn parse_review(body: &[u8]) -> Result<AdmissionRequest<Service>, String> {
     if body.is_empty() {
         return Err("empty body: expected an AdmissionReview (admission.k8s.io/v1) JSON object".into());
     }
-    let mut review: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
+    let mut review: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not an AdmissionReview of a Service: {e}"))?;
     // Admission reads the spec and metadata, never the status; and a status the apiserver
     // stores can fail the typed read: a condition set with a zero `lastTransitionTime` comes
     // as `null`, which k8s-openapi's Condition requires to be a timestamp (found by

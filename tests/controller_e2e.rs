@@ -632,11 +632,7 @@ async fn etcd_records_follow_the_services(cp: &ControlPlane, wh: &Webhook, slice
     let released_before = released_by_apiserver(&wh.children[0]).await;
     let failed = service("failed-dynamic", |s| s.ports = Some(vec![ServicePort { port: 0, ..Default::default() }]));
     assert!(api.create(&PostParams::default(), &failed).await.is_err(), "a create with port 0 succeeded");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while released_by_apiserver(&wh.children[0]).await < released_before + 1 {
-        assert!(Instant::now() < deadline, "the failed create's address not released within 60s:\n{}", wh.children[0].log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_released(&wh.children[0], released_before + 1, "the failed create's address released").await;
     let now: BTreeSet<IpAddr> = store.allocated().await.expect("allocated").into_iter().collect();
     assert!(now.is_subset(&before), "recorded after the failed create: {:?}", now.difference(&before).collect::<Vec<_>>());
     // The in-flight limit (20 s here) passes — time is the subject, hence the sleep — and the
@@ -710,6 +706,11 @@ async fn released_by_apiserver(c: &Controller) -> usize {
     controller_common::metric(&text, "clusterip_webhook_released_addresses_total{reason=\"apiserver_released\"}").unwrap_or(0.0) as usize
 }
 
+/// Wait (60 s at most) until `c` has released at least `n` addresses that way.
+async fn wait_released(c: &Controller, n: usize, what: &str) {
+    clusterip_test_support::eventually(what, Duration::from_secs(60), || async move { released_by_apiserver(c).await >= n }).await;
+}
+
 /// A tenant looping creates that the kube-apiserver refuses after our answer (`port: 0`
 /// fails its validation) pins no address (docs/reliability.md, "Tenants"): on a range of 30
 /// addresses, six rounds of ten failing creates — twice the range — each round's addresses
@@ -732,15 +733,7 @@ async fn failed_creates_pin_nothing(backend: &str, slice: Slice) {
                 other => panic!("round {round}: expected the apiserver's 422 on spec.ports[0].port, got {other:?}"),
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let n = released_by_apiserver(&wh.children[0]).await;
-            if n >= failed {
-                break;
-            }
-            assert!(Instant::now() < deadline, "round {round}: {n} of {failed} failed creates' addresses released after 60s:\n{}", wh.children[0].log());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_released(&wh.children[0], failed, &format!("round {round}: the addresses of {failed} failed creates released")).await;
         let name = format!("valid-{round}");
         let svc = api.create(&PostParams::default(), &service(&name, |_| {})).await.unwrap_or_else(|e| panic!("round {round}: a valid create after {failed} failed ones: {e}"));
         assert!(ips(&svc).iter().all(|ip| ip.is_ipv4() && clusterip::cidr::ServiceCidr::parse(&small).expect("range").contains(*ip)), "{svc:?}");

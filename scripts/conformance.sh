@@ -10,7 +10,19 @@
 #                        then serves the pods too — CLUSTERIP_NODE_BACKEND of node-cluster.sh)
 #
 #   scripts/conformance.sh [--proxy kube-proxy|clusterip] [--backend ipaddress|etcd]
-#                          [--focus REGEX] [--skip REGEX] [--timeout MIN]
+#                          [--set proxy|conformance|smoke] [--focus REGEX] [--skip REGEX]
+#                          [--procs N] [--timeout MIN]
+#
+#   --set proxy        (default) every test of the selection a Service proxy and allocator
+#                      must pass: `[sig-network]` Services, Service CIDRs, ServiceCIDR and
+#                      IPAddress API, Networking Granular Checks: Services, Conntrack,
+#                      EndpointSlice and EndpointSliceMirroring
+#   --set conformance  only the [Conformance] tests of that selection
+#   --set smoke        four tests of one node, a few minutes (CI): a basic endpoint, a
+#                      NodePort, ClusterIP session affinity, the IPAddress API
+#   --focus/--skip     replace the set's regular expressions (ginkgo's --focus/--skip)
+#   --procs N          ginkgo processes running specs at once (default 3; the specs mostly
+#                      wait on pods, so more than the 2 cores help)
 #
 # Builds what is missing (e2e.test and the Kubernetes parts: scripts/lib/build-go-binaries.sh;
 # the clusterip images: scripts/build-images.sh; the suite's images and CoreDNS:
@@ -29,9 +41,8 @@
 # the kube-system and clusterip-system pods (pod-logs/) stay in target/conformance/<config>-<date>/.
 # Exit status: 0 when nothing failed.
 #
-# Default focus: the [Conformance] tests of `[sig-network] Services` and of `ServiceCIDR and
-# IPAddress API`. Default skip: [Disruptive], [Serial], [Flaky], [Feature:…] and LoadBalancer
-# tests (docs/conformance.md says why each is out).
+# Always skipped: [Disruptive], [Serial], [Flaky], [Feature:…] and LoadBalancer tests
+# (docs/conformance.md says why each is out).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -40,26 +51,36 @@ cd "$repo"
 
 node=$repo/scripts/node-cluster.sh
 builder=$repo/scripts/lib/build-go-binaries.sh
-proxy=clusterip backend= timeout_min=60
-focus='\[sig-network\] (Services|ServiceCIDR and IPAddress API) .*\[Conformance\]'
-skip='\[Disruptive\]|\[Serial\]|\[Flaky\]|\[Feature:[^]]+\]|LoadBalancer'
+proxy=clusterip backend= timeout_min=60 set=proxy focus= skip= procs=3
+selection='\[sig-network\] (Services|Service CIDRs|ServiceCIDR and IPAddress API|Networking Granular Checks: Services|Conntrack|EndpointSlice|EndpointSliceMirroring) '
+always_skip='\[Disruptive\]|\[Serial\]|\[Flaky\]|\[Feature:[^]]+\]|LoadBalancer'
 
 log() { echo "conformance: $*" >&2; }
 die() { log "error: $*"; exit 2; }
-usage() { sed -n '/^#   scripts\/conformance.sh/,/^#  *\[--focus/p' "$0" | sed 's/^# *//' >&2; exit 2; }
+usage() { sed -n '/^#   scripts\/conformance.sh/,/^#  *--procs N/p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --proxy) proxy=${2:?}; shift 2 ;;
     --backend) backend=${2:?}; shift 2 ;;
+    --set) set=${2:?}; shift 2 ;;
     --focus) focus=${2:?}; shift 2 ;;
     --skip) skip=${2?}; shift 2 ;;
+    --procs) procs=${2:?}; shift 2 ;;
     --timeout) timeout_min=${2:?}; shift 2 ;;
     -h|--help) usage ;;
     *) log "unknown argument '$1'"; usage ;;
   esac
 done
 [[ $timeout_min =~ ^[1-9][0-9]*$ ]] || die "--timeout takes whole minutes, not '$timeout_min'"
+[[ $procs =~ ^[1-9][0-9]?$ ]] || die "--procs takes a number of processes (1-99), not '$procs'"
+case "$set" in
+  proxy) : "${focus:=$selection}" ;;
+  conformance) : "${focus:=$selection.*\[Conformance\]}" ;;
+  smoke) : "${focus:=\[sig-network\] (Services should serve a basic endpoint from pods|Services should be able to create a functioning NodePort service|Services should have session affinity work for service with type clusterIP|ServiceCIDR and IPAddress API should support IPAddress API operations)}" ;;
+  *) die "--set takes proxy, conformance or smoke, not '$set'" ;;
+esac
+: "${skip:=$always_skip}"
 case "$proxy" in
   kube-proxy)
     # (No clusterip, so no clusterip backend: a --backend here would be ignored, so refuse it.)
@@ -116,7 +137,7 @@ trap 'exit 130' INT TERM
 
 # ---------------------------------------------------------------- build what is missing
 t0=$SECONDS
-"$builder" e2e.test kubectl || die "building e2e.test failed"
+"$builder" e2e.test ginkgo kubectl || die "building e2e.test failed"
 eval "$("$builder" print-dirs)"
 "$repo/scripts/lib/build-e2e-images.sh" || die "building the e2e suite's images failed"
 # (pause is the node's sandbox image, in both configurations.)
@@ -142,16 +163,17 @@ log "node ready ($config): $((SECONDS - t0))s"
 # ---------------------------------------------------------------- the suite
 t0=$SECONDS
 junit=$out/junit.xml
-log "running e2e.test (focus: $focus; skip: $skip; at most $timeout_min min); log: $out/e2e.log"
+log "running e2e.test on $procs ginkgo processes (focus: $focus; skip: $skip; at most $timeout_min min); log: $out/e2e.log"
+# The ginkgo CLI runs the compiled suite on --procs processes and merges their reports.
 # (ginkgo's own timeout ends the suite with a report; the outer one bounds a hung process.)
 timeout --kill-after=30s "$((timeout_min * 60 + 300))s" \
-  "$repo/scripts/lib/run-capped.sh" 4096 -- \
-  "$node" exec env PATH="$K8S_BIN:$PATH" HOME="$out" "$K8S_BIN/e2e.test" \
+  "$repo/scripts/lib/run-capped.sh" $((2048 + 1024 * procs)) -- \
+  "$node" exec env PATH="$K8S_BIN:$PATH" HOME="$out" "$K8S_BIN/ginkgo" \
+    --procs="$procs" --focus="$focus" --skip="$skip" --timeout="${timeout_min}m" \
+    --output-dir="$out" --junit-report=junit.xml --no-color -v --silence-skips \
+    "$K8S_BIN/e2e.test" -- \
     --provider=local --kubeconfig="$CLUSTERIP_NODE_DIR/admin.kubeconfig" \
-    --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" \
-    --ginkgo.focus="$focus" --ginkgo.skip="$skip" \
-    --ginkgo.junit-report="$junit" --ginkgo.timeout="${timeout_min}m" \
-    --ginkgo.no-color --ginkgo.v --ginkgo.silence-skips > "$out/e2e.log" 2>&1 &
+    --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" > "$out/e2e.log" 2>&1 &
 # (In the background, so that INT/TERM reach this shell's trap while the suite runs.)
 e2e_pid=$!
 wait "$e2e_pid"

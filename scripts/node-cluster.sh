@@ -581,7 +581,8 @@ cmd_reap() {
   done
   for ns in /run/netns/cipnode-*; do
     [ -e "$ns" ] || continue
-    nid=${ns##*/cipnode-}; nid=${nid%-ext}
+    # (cipnode-<id>, cipnode-<id>-ext, and any other cipnode-<id>-<name> a node makes.)
+    nid=${ns##*/cipnode-}; nid=${nid%%-*}
     [[ $live == *" $nid "* ]] && continue
     ( id=$nid; NETNS=cipnode-$id; EXTNS=cipnode-$id-ext; state=/nonexistent
       remove_netns && echo "reap: removed netns ${ns##*/} (its node is gone)" )

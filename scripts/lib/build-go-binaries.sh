@@ -9,6 +9,8 @@
 #   scripts/lib/build-go-binaries.sh e2e.test|agnhost   Kubernetes' e2e suite (`go test -c` of
 #                                   k8s.io/kubernetes/test/e2e) and its agnhost image's binary
 #                                   (scripts/conformance.sh, scripts/lib/build-e2e-images.sh)
+#   scripts/lib/build-go-binaries.sh ginkgo   the ginkgo CLI at the version the e2e suite links
+#                                   (runs e2e.test in parallel: scripts/conformance.sh --procs)
 #   scripts/lib/build-go-binaries.sh k8s-module     the wrapper module's directory, on stdout
 #   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=…, ETCD_BIN=…, CONTAINERD_BIN=…,
 #                                                   CNI_BIN=…, PAUSE_BIN=… and COREDNS_BIN=… lines
@@ -159,6 +161,29 @@ build_e2e_test() {
   log "building e2e.test v$K8S_VERSION from Go modules (slow the first time; cached in $k8s_dir)"
   ( cd "$mod" && go test -c -trimpath -ldflags "$(k8s_ldflags)" -o "$out.tmp" k8s.io/kubernetes/test/e2e ) >&2
   mv "$out.tmp" "$out"
+}
+
+# ginkgo: the CLI that runs a compiled suite on several processes (its parallel protocol is
+# the suite's own library, so the CLI's version is the one e2e.test links: the wrapper
+# module's requirement). A module of its own: the CLI's dependencies (x/tools, pprof) are not
+# the suite's, and must not move the wrapper module's versions.
+build_ginkgo() {
+  local mod; mod=$(k8s_e2e_module)
+  local v; v=$(cd "$mod" && go list -m -f '{{.Version}}' github.com/onsi/ginkgo/v2)
+  local out="$k8s_dir/bin/ginkgo"
+  [ -x "$out" ] && [ "$(cat "$out.version" 2>/dev/null)" = "$v" ] && return 0
+  lock_cache
+  [ -x "$out" ] && [ "$(cat "$out.version" 2>/dev/null)" = "$v" ] && return 0
+  local src="$k8s_dir/ginkgo-src"
+  rm -rf "$src"; mkdir -p "$src" "$k8s_dir/bin"
+  ( cd "$src"
+    printf 'module clusterip.local/ginkgobuild\n\ngo 1.26\n\nrequire github.com/onsi/ginkgo/v2 %s\n' "$v" > go.mod
+    printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/onsi/ginkgo/v2/ginkgo"\n' > tools.go
+    log "building the ginkgo CLI $v (the e2e suite's version) from Go modules"
+    go mod tidy >&2
+    go build -trimpath -ldflags "-s -w" -o "$out.tmp" github.com/onsi/ginkgo/v2/ginkgo >&2 )
+  mv "$out.tmp" "$out"
+  echo "$v" > "$out.version"
 }
 
 # agnhost (test/images/agnhost, a main package of the same module): the e2e suite's
@@ -358,6 +383,7 @@ for what in "$@"; do
     ipallocbench) build_ipallocbench ;;
     e2e.test) build_e2e_test ;;
     agnhost) build_agnhost ;;
+    ginkgo) build_ginkgo ;;
     etcd) build_etcd ;;
     k8s-module) k8s_module ;;
     k8s-e2e-module) k8s_e2e_module ;;

@@ -74,7 +74,7 @@ cgroup_of() {
 # One line describing a process, for what reap and run_end print.
 proc_desc() {
   local args
-  args=$(tr '\0' ' ' < "/proc/$1/cmdline" 2>/dev/null | cut -c1-120) || true
+  args=$(tr '\0' ' ' 2>/dev/null < "/proc/$1/cmdline" | cut -c1-120) || true
   [ -n "$args" ] || args="[$(cat "/proc/$1/comm" 2>/dev/null || echo gone)]"
   echo "$1 ${args% }"
 }

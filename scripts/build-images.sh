@@ -168,10 +168,20 @@ build_e2e_agnhost() {
   src=$(cd "$mod" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/agnhost
   version=$(cat "$src/VERSION")
   e2e_agnhost_image=registry.k8s.io/e2e-test-images/agnhost:$version
-  have_image "$e2e_agnhost_image" && [ ! "$bin" -nt "$out/e2e/agnhost.oci.tar" ] && return 0
+  # (Built again when agnhost or this recipe is newer than the archive.)
+  have_image "$e2e_agnhost_image" && [ ! "$bin" -nt "$out/e2e/agnhost.oci.tar" ] &&
+    [ ! "${BASH_SOURCE[0]}" -nt "$out/e2e/agnhost.oci.tar" ] && return 0
   ctr=$(debian_rootfs_image "$e2e_agnhost_image" bind9-dnsutils curl netcat-openbsd iproute2 \
-    iperf bash util-linux socat passwd)
+    iperf bash util-linux socat passwd busybox-static)
   mnt=$(bh mount "$ctr")
+  # Upstream's image is Alpine, whose base is busybox: every command no package provides is
+  # a busybox applet (tests run `wget -q -O - -T 1 …`, `ping`, … in agnhost pods). Here too:
+  # an applet link, in /usr/local/bin, for each command the Debian packages above lack.
+  chroot "$mnt" /bin/busybox --list | while IFS= read -r applet; do
+    [ -n "$applet" ] || continue
+    chroot "$mnt" sh -c 'command -v "$1"' _ "$applet" >/dev/null 2>&1 && continue
+    ln -s /bin/busybox "$mnt/usr/local/bin/$applet"
+  done
   install -m 0755 "$bin" "$mnt/agnhost"
   ln -s agnhost "$mnt/agnhost-2"
   install -m 0644 "$src/porter/localhost.crt" "$src/porter/localhost.key" "$mnt/"

@@ -1,0 +1,141 @@
+//! The block store's shell on an in-memory apiserver (`fake.rs`) and a clock moved by hand:
+//! each case of the protocol deterministic, in milliseconds. What needs the real
+//! kube-apiserver (its preconditions, its watch, a restart) stays in `tests/blocks.rs`.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::fake::FakeApi;
+use super::*;
+use crate::clock::testing::ManualClock;
+
+/// Lease duration D and margin M (as tests/blocks.rs): a holder answers for D − M = 20 s
+/// after each confirmed renewal; an observer takes over after 30 s unchanged.
+const D: Duration = Duration::from_secs(30);
+const M: Duration = Duration::from_secs(10);
+
+fn s(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// A /28 without a static band: 14 addresses; one 16-address block, or four of 4, 4, 4, 2.
+fn range() -> ServiceCidr {
+    ServiceCidr::parse("198.19.0.128/28").expect("range")
+}
+
+fn parent(name: &str) -> ParentRef {
+    ParentRef::service("ns", name)
+}
+
+fn options(size: u64) -> BlockOptions {
+    BlockOptions { size: Some(size), lease_duration: D, margin: M, renew_every: None }
+}
+
+/// A replica on `api` and `clock`, with its lead of blocks taken (as `BlockStore::open`).
+async fn replica(api: &Arc<FakeApi>, clock: Arc<dyn Clock>, name: &str, size: u64, view: ApiserverIps) -> Arc<BlockStore> {
+    let me = BlockStore::start(api.clone(), clock, vec![range()], view, name, options(size)).await.expect("start the block store");
+    me.take_lead().await;
+    me
+}
+
+fn is_full<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
+    matches!(r, Err(StoreError::Alloc(AllocError::Full)))
+}
+
+/// Everything a replica can still pick, until it reports the range full.
+async fn drain(r: &BlockStore, who: &str) -> Vec<IpAddr> {
+    let mut got = Vec::new();
+    loop {
+        match r.allocate_next(Family::IPv4, Some(&parent(who))).await {
+            Ok(ip) => got.push(ip),
+            Err(StoreError::Alloc(AllocError::Full)) => return got,
+            Err(e) => panic!("picking: {e}"),
+        }
+        assert!(got.len() <= 14, "more picks than addresses: {got:?}");
+    }
+}
+
+fn addresses_of(name: &str, size: u64) -> Vec<IpAddr> {
+    let c = range();
+    let index: u64 = name.rsplit_once('-').and_then(|(_, i)| i.parse().ok()).expect("a block Lease name");
+    let sp = span(&c, size, index).expect("a block of the range");
+    (sp.first..sp.end).filter_map(|off| c.ip_at(off)).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_answers_only_while_its_last_confirmed_renewal_is_younger_than_d_minus_m() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    assert_eq!(a.held_blocks(), vec![block_name(&range(), 0)]);
+    clock.advance(D - M - Duration::from_millis(1));
+    assert!(a.allocate_next(Family::IPv4, Some(&parent("x"))).await.is_ok(), "A answers just before D − M");
+    clock.advance(Duration::from_millis(1));
+    assert!(a.held_blocks().is_empty(), "A still answers D − M after its last confirmed renewal");
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("y"))).await));
+    // A renewal confirmed: A answers again, for D − M after it was sent.
+    assert_eq!(a.tick().await.renewed, 1);
+    assert!(a.allocate_next(Family::IPv4, Some(&parent("z"))).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_observer_takes_over_only_after_seeing_the_lease_unchanged_for_d_and_skips_what_its_list_shows() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    assert!(b.held_blocks().is_empty());
+    let x = a.allocate_next(Family::IPv4, Some(&parent("first"))).await.expect("A answers");
+    api.record_address(x); // the apiserver stored it; B's view never shows it
+    drop(a); // a crash: the Lease stays, unrenewed
+    clock.advance(D - Duration::from_millis(1));
+    b.tick().await;
+    assert!(is_full(&b.allocate_next(Family::IPv4, Some(&parent("early"))).await), "B took over before D");
+    clock.advance(Duration::from_millis(1));
+    b.tick().await;
+    let picked = drain(&b, "rest").await;
+    assert!(!picked.contains(&x), "B answered {x}, stored before the takeover: {picked:?}");
+    assert_eq!(picked.iter().collect::<BTreeSet<_>>().len(), 13, "{picked:?}");
+    let lease = api.lease(&block_name(&range(), 0)).expect("the block Lease");
+    assert!(crate::k8s::lease::holder(&lease).is_some_and(|h| h.starts_with("replica-b/")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_renewal_seen_by_the_observer_restarts_its_count() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    clock.advance(s(15));
+    a.tick().await;
+    b.tick().await;
+    clock.advance(s(20));
+    a.tick().await; // not seen by B before its own tick below
+    b.tick().await;
+    assert!(is_full(&b.allocate_next(Family::IPv4, Some(&parent("b"))).await), "B took over a block renewed 20 s ago");
+    assert_eq!(a.held_blocks(), vec![block_name(&range(), 0)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_hands_over_a_block_with_room_and_no_pick_pending() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let view = ApiserverIps::fixed([]);
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 4, view.clone()).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 4, view.clone()).await;
+    assert_eq!((a.held_blocks().len(), b.held_blocks().len()), (2, 1));
+    let x = a.allocate_next(Family::IPv4, Some(&parent("a"))).await.expect("A answers");
+    let with_x = a.held_blocks().into_iter().find(|n| addresses_of(n, 4).contains(&x)).expect("A's block of x");
+    let other = a.held_blocks().into_iter().find(|n| *n != with_x).expect("A's other block");
+    // B uses its block and the free one up, then asks.
+    let mut got = drain(&b, "b").await;
+    let asked = api.lease(&other).or_else(|| api.lease(&with_x)).expect("a Lease of A");
+    assert!(asked.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(WANTED_ANNOTATION)), "B asked A for a block");
+    let t = a.tick().await;
+    assert_eq!(t.handed_over, vec![other.clone()], "A hands over its block without a pending pick");
+    // (B's next admission finds it once its wait that got nothing is over.)
+    clock.advance(book::HANDOVER_WAIT);
+    got.extend(drain(&b, "b").await);
+    let kept = addresses_of(&with_x, 4);
+    assert_eq!(got.len(), 14 - kept.len(), "{got:?}");
+    assert!(got.iter().all(|ip| !kept.contains(ip)));
+    assert_eq!(got.iter().collect::<BTreeSet<_>>().len(), got.len());
+}

@@ -87,7 +87,7 @@ impl<K: KernelClocks> SystemClock<K> {
 
 impl<K: KernelClocks> Clock for SystemClock<K> {
     fn now(&self) -> Moment {
-        Moment(self.kernel.read(KernelClock::Monotonic))
+        Moment(self.kernel.read(KernelClock::Boottime))
     }
 }
 

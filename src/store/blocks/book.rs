@@ -64,6 +64,9 @@ pub enum GiveBack {
     Gone,
     /// The Lease is still ours: the delete was refused.
     Kept,
+    /// Not known: the delete got no answer (or one that does not say), and may have been
+    /// applied — then another replica may already hold a new Lease of that name.
+    Unknown,
 }
 
 /// A block this replica holds.
@@ -84,6 +87,9 @@ struct Held {
     last_pick: Moment,
     /// Being given back: no picks.
     returning: bool,
+    /// A give-back of it whose outcome is unknown: no picks, and the give-back is tried
+    /// again until it is known.
+    unconfirmed: bool,
 }
 
 /// An address answered (or requested) here and not yet seen recorded.
@@ -109,6 +115,10 @@ struct Watched {
 pub struct Looked {
     /// Leases held here that carry a hand-over request not answered yet.
     pub requests: Vec<Lease>,
+    /// Leases naming this replica as holder that it neither holds nor is taking: a create
+    /// or takeover whose answer was lost, a give-back that failed. Nothing was answered from
+    /// them since (or ever), so they are deleted (with their uid and resourceVersion).
+    pub orphans: Vec<Lease>,
 }
 
 /// One replica's blocks; see the module docs.
@@ -127,13 +137,15 @@ pub struct Book {
     answered: HashSet<(String, String)>,
     /// Per range, when this replica's last request for a block ended without one.
     unanswered: HashMap<usize, Moment>,
+    /// Block Leases this replica is creating or taking over right now (not orphans).
+    claiming: HashSet<String>,
 }
 
 impl Book {
     /// The book of replica `holder` (its holderIdentity) over `cidrs`, with blocks of
     /// `sizes[i]` addresses in range i.
     pub fn new(holder: String, cidrs: Vec<ServiceCidr>, sizes: Vec<u64>, lease_duration: Duration, margin: Duration) -> Book {
-        Book { holder, cidrs, sizes, lease_duration, margin, held: Vec::new(), pending: HashMap::new(), observed: HashMap::new(), answered: HashSet::new(), unanswered: HashMap::new() }
+        Book { holder, cidrs, sizes, lease_duration, margin, held: Vec::new(), pending: HashMap::new(), observed: HashMap::new(), answered: HashSet::new(), unanswered: HashMap::new(), claiming: HashSet::new() }
     }
 
     pub fn holder(&self) -> &str {
@@ -297,6 +309,8 @@ impl Book {
             if holder(&lease) == Some(self.holder.as_str()) {
                 if self.asks_us(&lease) {
                     out.requests.push(lease);
+                } else if !self.claiming.contains(&name) && !self.held.iter().any(|h| h.name == name) {
+                    out.orphans.push(lease);
                 }
                 continue;
             }
@@ -319,6 +333,27 @@ impl Book {
         self.observed.iter().find(|(_, o)| o.range == range && overlap(&o.span, span)).map(|(n, _)| n.clone())
     }
 
+    /// This replica starts creating or taking over the Lease `name` (true), or is done (false).
+    pub fn claiming(&mut self, name: &str, now_claiming: bool) {
+        if now_claiming {
+            self.claiming.insert(name.to_string());
+        } else {
+            self.claiming.remove(name);
+        }
+    }
+
+    /// The Lease `deleted` is gone (the watch saw its delete: by hand, a namespace clean-up,
+    /// another replica): if it is the Lease of a block held here (same name and uid), the
+    /// block is dropped at once — another replica may create it anew right away. Returns the
+    /// block's name if one was dropped.
+    pub fn lease_deleted(&mut self, deleted: &Lease) -> Option<String> {
+        let name = deleted.metadata.name.as_deref()?;
+        self.observed.remove(name);
+        let same = |h: &Held| h.name == name && (deleted.metadata.uid.is_none() || h.lease.metadata.uid.is_none() || h.lease.metadata.uid == deleted.metadata.uid);
+        let i = self.held.iter().position(same)?;
+        Some(self.held.remove(i).name)
+    }
+
     /// Stop watching another replica's block (its Lease changed, went, or became ours).
     pub fn forget(&mut self, name: &str) {
         self.observed.remove(name);
@@ -330,7 +365,7 @@ impl Book {
     #[allow(clippy::too_many_arguments)]
     pub fn adopt(&mut self, range: usize, span: BlockSpan, name: String, lease: Lease, sent: Moment, listed: HashSet<IpAddr>, cursor: u64, now: Moment) {
         self.observed.remove(&name);
-        self.held.push(Held { range, span, name, lease, confirmed: sent, cursor, listed, last_pick: now, returning: false });
+        self.held.push(Held { range, span, name, lease, confirmed: sent, cursor, listed, last_pick: now, returning: false, unconfirmed: false });
     }
 
     /// The Leases to renew now (held, not being given back), as last written.
@@ -446,18 +481,28 @@ impl Book {
         out
     }
 
-    /// How the give-back of `name` that [`Self::choose_hand_over`] chose ended.
-    pub fn handed_over(&mut self, name: &str, outcome: GiveBack) {
+    /// How the give-back of `name` (chosen by [`Self::choose_hand_over`] or
+    /// [`Self::choose_idle`], or tried again) ended: gone — dropped; still ours — picked from
+    /// again; unknown — not held until known: no picks, tried again at the next tick
+    /// ([`Self::unconfirmed`]).
+    pub fn given_back(&mut self, name: &str, outcome: GiveBack) {
+        let Some(h) = self.held.iter_mut().find(|h| h.name == name) else { return };
         match outcome {
             GiveBack::Gone => self.drop_block(name),
-            GiveBack::Kept => self.resume(name),
+            GiveBack::Kept => {
+                h.returning = false;
+                h.unconfirmed = false;
+            }
+            GiveBack::Unknown => {
+                h.returning = true;
+                h.unconfirmed = true;
+            }
         }
     }
 
-    fn resume(&mut self, name: &str) {
-        if let Some(h) = self.held.iter_mut().find(|h| h.name == name) {
-            h.returning = false;
-        }
+    /// Blocks whose give-back's outcome is unknown, to try again.
+    pub fn unconfirmed(&self) -> Vec<(String, Lease)> {
+        self.held.iter().filter(|h| h.unconfirmed).map(|h| (h.name.clone(), h.lease.clone())).collect()
     }
 
     /// Picks and listed addresses the view shows recorded: the view covers them now.

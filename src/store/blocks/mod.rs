@@ -92,7 +92,7 @@ pub mod layout;
 mod tests;
 
 use book::{Book, GiveBack, Need, Next, LEAD_BLOCKS};
-use client::{BlockApi, KubeBlockApi};
+use client::{BlockApi, CallError, KubeBlockApi};
 pub use layout::*;
 
 /// How long `/readyz` waits for the kube-apiserver (the Deployment's probe gives up after 2 s).
@@ -371,9 +371,16 @@ impl BlockStore {
         let Some(span) = span(cidr, lock(&self.book).size(range), index) else { return Ok(false) };
         let name = block_name(cidr, index);
         let sent = self.now();
+        lock(&self.book).claiming(&name, true);
+        let r = self.create_claimed(range, span, &name, sent).await;
+        lock(&self.book).claiming(&name, false);
+        r
+    }
+
+    async fn create_claimed(&self, range: usize, span: BlockSpan, name: &str, sent: Moment) -> Result<bool, StoreError> {
         match self.api.create_lease(&self.block_lease(range, span)).await {
             Ok(lease) => {
-                if !self.alone(range, span, &name, &lease).await? {
+                if !self.alone(range, span, name, &lease).await? {
                     return Ok(false);
                 }
                 self.adopt(range, span, lease, sent).await?;
@@ -409,6 +416,13 @@ impl BlockStore {
             spec.lease_transitions = Some(transitions.saturating_add(1));
         }
         let sent = self.now();
+        lock(&self.book).claiming(name, true);
+        let r = self.take_over_claimed(range, span, name, lease, sent, &previous).await;
+        lock(&self.book).claiming(name, false);
+        r
+    }
+
+    async fn take_over_claimed(&self, range: usize, span: BlockSpan, name: &str, lease: Lease, sent: Moment, previous: &str) -> Result<bool, StoreError> {
         match self.api.replace_lease(name, &lease).await {
             Ok(lease) => {
                 lock(&self.book).forget(name);
@@ -471,6 +485,8 @@ impl BlockStore {
     /// Delete a block Lease of ours, with its uid and resourceVersion as preconditions. A
     /// conflict whose read still shows this process as the holder (a hand-over request
     /// changed the Lease) is tried once more with the resourceVersion read.
+    /// A delete that got no answer (or one that does not say) is [`GiveBack::Unknown`]: it may
+    /// have been applied.
     async fn give_back_lease(&self, name: &str, lease: &Lease) -> GiveBack {
         let holder = self.holder();
         let mut lease = lease.clone();
@@ -482,10 +498,14 @@ impl BlockStore {
                     Ok(Some(cur)) if holder_of(&cur) == Some(holder.as_str()) => lease = cur,
                     Ok(_) => return GiveBack::Gone,
                     Err(e) => {
-                        warn!(block = %name, error = %e, "could not give an address block back; it expires instead");
-                        return GiveBack::Kept;
+                        warn!(block = %name, error = %e, "could not read an address block Lease after its give-back conflicted; not answering from it until its state is known");
+                        return GiveBack::Unknown;
                     }
                 },
+                Err(CallError::Unknown(e)) => {
+                    warn!(block = %name, error = %e, "giving an address block back got no answer; not answering from it until its state is known");
+                    return GiveBack::Unknown;
+                }
                 Err(e) => {
                     warn!(block = %name, error = %e, "could not give an address block back; it expires instead");
                     return GiveBack::Kept;
@@ -503,6 +523,12 @@ impl BlockStore {
         let list = self.api.list_leases().await.map_err(|e| e.store("listing address block Leases"))?;
         let now = self.now();
         let looked = lock(&self.book).looked(list, now);
+        for orphan in looked.orphans {
+            let Some(name) = orphan.metadata.name.clone() else { continue };
+            if self.give_back_lease(&name, &orphan).await == GiveBack::Gone {
+                info!(block = %name, "deleted a block Lease of this replica it did not hold (a create or give-back whose answer was lost)");
+            }
+        }
         Ok(looked.requests)
     }
 
@@ -511,7 +537,12 @@ impl BlockStore {
         let leases = match change {
             Change::Replace(all) => all,
             Change::Apply(lease) => vec![lease],
-            Change::Delete(_) => return,
+            Change::Delete(lease) => {
+                if let Some(block) = lock(&self.book).lease_deleted(&lease) {
+                    warn!(%block, "address block Lease deleted (by hand, or with its namespace?); no longer answering from it");
+                }
+                return;
+            }
         };
         let Some(me) = self.me.upgrade() else { return };
         for lease in leases {
@@ -552,7 +583,7 @@ impl BlockStore {
             book.choose_hand_over(range, &recorded, now)?
         };
         let outcome = self.give_back_lease(&name, &lease).await;
-        lock(&self.book).handed_over(&name, outcome);
+        lock(&self.book).given_back(&name, outcome);
         (outcome == GiveBack::Gone).then_some(name)
     }
 
@@ -564,6 +595,12 @@ impl BlockStore {
             let mut book = lock(&self.book);
             let recorded = self.recorded.view();
             book.settle(&recorded);
+        }
+        // Give-backs of unknown outcome: tried again until known.
+        let unconfirmed = lock(&self.book).unconfirmed();
+        for (name, lease) in unconfirmed {
+            let outcome = self.give_back_lease(&name, &lease).await;
+            lock(&self.book).given_back(&name, outcome);
         }
         let targets = lock(&self.book).to_renew();
         for (name, lease) in targets {
@@ -637,9 +674,11 @@ impl BlockStore {
         };
         let mut done = Vec::new();
         for (name, lease) in chosen {
-            self.give_back_lease(&name, &lease).await;
-            lock(&self.book).drop_block(&name);
-            done.push(name);
+            let outcome = self.give_back_lease(&name, &lease).await;
+            lock(&self.book).given_back(&name, outcome);
+            if outcome == GiveBack::Gone {
+                done.push(name);
+            }
         }
         done
     }

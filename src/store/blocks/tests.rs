@@ -163,7 +163,6 @@ async fn a_holder_resumed_after_a_frozen_vm_counts_the_suspended_time() {
 /// Fault 2: a block Lease deleted by hand (or by a namespace clean-up). The holder's watch
 /// sees the delete: it stops answering from the block at once, not at its next renewal.
 #[tokio::test(start_paused = true)]
-#[ignore = "issue 32 fault 2: fails until its fix (next commits)"]
 async fn a_block_lease_deleted_by_hand_stops_its_holder_answering_at_once() {
     let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
     let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
@@ -184,7 +183,6 @@ async fn a_block_lease_deleted_by_hand_stops_its_holder_answering_at_once() {
 /// must not pick from the block again (the asker may have recreated it) until it knows
 /// the Lease is still its own; once a retry finds it gone, the block is dropped.
 #[tokio::test(start_paused = true)]
-#[ignore = "issue 32 fault 3: fails until its fix (next commits)"]
 async fn a_hand_over_whose_delete_answer_was_lost_is_not_picked_from_again() {
     let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
     let a = replica(&api, Arc::new(clock.clone()), "replica-a", 4, ApiserverIps::fixed([])).await;
@@ -230,7 +228,6 @@ async fn a_call_that_never_answers_does_not_stop_the_renewals() {
 /// Fault 6: a Lease of our own that we do not hold (a create whose answer was lost, a
 /// give-back that failed) is reclaimed while we run, not left until we restart.
 #[tokio::test(start_paused = true)]
-#[ignore = "issue 32 fault 6: fails until its fix (next commits)"]
 async fn an_orphaned_lease_of_our_own_is_reclaimed() {
     let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
     api.lose_answer(fake::Call::CreateLease);

@@ -3,7 +3,10 @@
 //! needs; [`KubeBlockApi`] makes the requests, and the unit tests put an in-memory
 //! apiserver in its place (`fake.rs`).
 
+use std::future::Future;
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -83,6 +86,65 @@ impl KubeBlockApi {
     }
 }
 
+/// IPAddresses per page of [`KubeBlockApi::list_addresses`] (client-go's pager's default).
+const ADDRESS_PAGE: u32 = 500;
+
+/// Every call of `inner` bounded by `timeout` (the kube client has no read timeout: one
+/// half-open connection would otherwise hold a renewal for as long as TCP takes to give up,
+/// ~15 minutes). A call that times out has an unknown outcome.
+pub struct Bounded {
+    inner: Arc<dyn BlockApi>,
+    timeout: Duration,
+}
+
+impl Bounded {
+    pub fn new(inner: Arc<dyn BlockApi>, timeout: Duration) -> Self {
+        Bounded { inner, timeout }
+    }
+
+    async fn run<T>(&self, call: impl Future<Output = Result<T, CallError>>) -> Result<T, CallError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(CallError::Unknown(format!("the kube-apiserver did not answer within {:?}", self.timeout))),
+        }
+    }
+}
+
+#[async_trait]
+impl BlockApi for Bounded {
+    async fn list_leases(&self) -> Result<Vec<Lease>, CallError> {
+        self.run(self.inner.list_leases()).await
+    }
+
+    async fn get_lease(&self, name: &str) -> Result<Option<Lease>, CallError> {
+        self.run(self.inner.get_lease(name)).await
+    }
+
+    async fn create_lease(&self, lease: &Lease) -> Result<Lease, CallError> {
+        self.run(self.inner.create_lease(lease)).await
+    }
+
+    async fn replace_lease(&self, name: &str, lease: &Lease) -> Result<Lease, CallError> {
+        self.run(self.inner.replace_lease(name, lease)).await
+    }
+
+    async fn delete_lease(&self, name: &str, lease: &Lease) -> Result<(), CallError> {
+        self.run(self.inner.delete_lease(name, lease)).await
+    }
+
+    async fn ask_for_block(&self, name: &str, holder: &str) -> Result<(), CallError> {
+        self.run(self.inner.ask_for_block(name, holder)).await
+    }
+
+    async fn list_addresses(&self) -> Result<Vec<IpAddr>, CallError> {
+        self.run(self.inner.list_addresses()).await
+    }
+
+    async fn ping(&self) -> Result<(), CallError> {
+        self.run(self.inner.ping()).await
+    }
+}
+
 fn unchanged(lease: &Lease) -> DeleteParams {
     DeleteParams { preconditions: Some(Preconditions { uid: lease.metadata.uid.clone(), resource_version: lease.metadata.resource_version.clone() }), ..Default::default() }
 }
@@ -114,9 +176,20 @@ impl BlockApi for KubeBlockApi {
         self.leases.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(drop).map_err(CallError::from_kube)
     }
 
+    /// Metadata only (the name is the address), in pages of [`ADDRESS_PAGE`]: one
+    /// consistent snapshot (the first page without a resourceVersion, the rest by its
+    /// continue token), never every object whole in one answer.
     async fn list_addresses(&self) -> Result<Vec<IpAddr>, CallError> {
-        let list = self.addresses.list(&ListParams::default()).await.map_err(CallError::from_kube)?;
-        Ok(list.items.iter().filter_map(|o| crate::k8s::ipaddress::address(o.metadata.name.as_deref()?)).collect())
+        let mut out = Vec::new();
+        let mut params = ListParams::default().limit(ADDRESS_PAGE);
+        loop {
+            let page = self.addresses.list_metadata(&params).await.map_err(CallError::from_kube)?;
+            out.extend(page.items.iter().filter_map(|o| crate::k8s::ipaddress::address(o.metadata.name.as_deref()?)));
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => return Ok(out),
+            }
+        }
     }
 
     async fn ping(&self) -> Result<(), CallError> {

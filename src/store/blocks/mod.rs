@@ -92,7 +92,7 @@ pub mod layout;
 mod tests;
 
 use book::{Book, GiveBack, Need, Next, LEAD_BLOCKS};
-use client::{BlockApi, CallError, KubeBlockApi};
+use client::{BlockApi, Bounded, CallError, KubeBlockApi};
 pub use layout::*;
 
 /// How long `/readyz` waits for the kube-apiserver (the Deployment's probe gives up after 2 s).
@@ -148,6 +148,14 @@ impl BlockOptions {
         }
         let window = lease_duration - margin;
         Ok(Self { size, lease_duration, margin, renew_every: Some((window / 4).max(Duration::from_millis(100))) })
+    }
+
+    /// How long one call to the kube-apiserver may take: a quarter of the usable window
+    /// (`lease_duration − margin`), at most 10 s — so a holder gets several renewals in
+    /// before it must stop answering, and an admission waiting for a block is not held
+    /// longer than a webhook timeout or two.
+    pub fn call_timeout(&self) -> Duration {
+        (self.lease_duration.saturating_sub(self.margin) / 4).clamp(Duration::from_millis(100), Duration::from_secs(10))
     }
 }
 
@@ -224,6 +232,7 @@ impl BlockStore {
         let holder = format!("{identity}/{nonce:08x}");
         let acquiring = ranges.iter().map(|_| tokio::sync::Mutex::new(())).collect();
         let book = Book::new(holder, ranges.clone(), sizes, options.lease_duration, options.margin);
+        let api: Arc<dyn BlockApi> = Arc::new(Bounded::new(api, options.call_timeout()));
         let me = Arc::new_cyclic(|weak| BlockStore {
             api,
             clock,

@@ -204,7 +204,6 @@ async fn a_hand_over_whose_delete_answer_was_lost_is_not_picked_from_again() {
 /// Fault 5: a half-open connection (a call that never answers) must not freeze the
 /// replica's renewals and looks: every call is bounded.
 #[tokio::test(start_paused = true)]
-#[ignore = "issue 32 fault 5: fails until its fix (next commits)"]
 async fn a_call_that_never_answers_does_not_stop_the_renewals() {
     let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
     let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;

@@ -241,3 +241,28 @@ async fn an_orphaned_lease_of_our_own_is_reclaimed() {
     // Taken again (by anyone) it answers.
     assert!(a.allocate_next(Family::IPv4, Some(&parent("a"))).await.is_ok());
 }
+
+/// A holder that missed its renewals (paused, cut off) stops answering at D − M, before an
+/// observer may take over at D; after the takeover its next renewal is refused and it drops
+/// the block for good. (Was `tests/blocks.rs`: `a_holder_that_missed_its_renewals_…`, 60 s
+/// of waiting on a real apiserver.)
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_missed_its_renewals_stops_before_a_takeover_and_drops_the_block_after_it() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    let x = a.allocate_next(Family::IPv4, Some(&parent("a-0"))).await.expect("A answers");
+    api.record_address(x);
+    clock.advance(D - M);
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("a-more"))).await), "A answers D − M after its last renewal");
+    b.tick().await;
+    assert!(is_full(&b.allocate_next(Family::IPv4, Some(&parent("b-early"))).await), "B took over before D");
+    clock.advance(M);
+    b.tick().await;
+    let picked = drain(&b, "b").await;
+    assert!(!picked.is_empty() && !picked.contains(&x), "{picked:?}");
+    let t = a.tick().await;
+    assert_eq!(t.lost, vec![block_name(&range(), 0)], "A did not notice the takeover: {t:?}");
+    assert!(a.held_blocks().is_empty());
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("after"))).await));
+}

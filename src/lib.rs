@@ -4,6 +4,7 @@
 //! - [`cidr`]: a service CIDR as an ordered set of usable addresses, with the static band.
 //! - [`alloc`]: the allocation map (pure, no I/O): static and dynamic allocation, release.
 //! - [`cli`]: the `clusterip` command line.
+//! - [`clock`]: the injected clock of the Lease protocols (leader election, address blocks).
 //! - [`k8s`]: our readings of Services, IPAddresses, ServiceCIDRs and our annotations, and
 //!   the IPAddress objects we write.
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
@@ -15,6 +16,7 @@
 pub mod alloc;
 pub mod cidr;
 pub mod cli;
+pub mod clock;
 pub mod controller;
 pub mod crds;
 #[doc(hidden)]

@@ -1,9 +1,11 @@
 //! Leader election with a coordination.k8s.io/v1 Lease, with the guarantees of client-go's
 //! `tools/leaderelection` (what kube-controller-manager uses):
 //!
-//! - **Expiry by local observation.** A replica that does not hold the Lease takes it over
+//! - **Expiry by local observation** ([`crate::k8s::lease::Observation`], shared with the
+//!   address blocks). A replica that does not hold the Lease takes it over
 //!   only once it has seen the same record (holder, renewTime, leaseDurationSeconds,
-//!   resourceVersion) unchanged for `leaseDurationSeconds` on its own monotonic clock. The
+//!   resourceVersion) unchanged for `leaseDurationSeconds` on its own clock
+//!   ([`crate::clock`]: suspended time counted). The
 //!   timestamps in the Lease were written by another machine's clock and are never compared
 //!   with ours: only their *change* says the holder is alive. A Lease with no holder (one
 //!   released on shutdown) is free at once.
@@ -24,10 +26,11 @@
 //!   the lease duration. The caller must have stopped everything the Lease guards first.
 //!
 //! The decisions are in [`Elector`] (pure: records and instants in, decisions out); [`run`]
-//! does the I/O. Starting and stopping the work the Lease guards is
+//! does the I/O, reading the time from the injected clock. Starting and stopping the work the Lease guards is
 //! [`super::supervise`]'s job.
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -35,6 +38,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, PostParams};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
+
+use crate::clock::{Clock, Moment};
+use crate::k8s::lease::Observation;
 
 /// client-go's `JitterFactor`: a replica that does not lead retries every retry period
 /// stretched by up to this factor, and the renew deadline must exceed retry period × this.
@@ -135,10 +141,10 @@ pub struct Elector {
     /// Used when the Lease does not say its own.
     lease_duration: Duration,
     renew_deadline: Duration,
-    /// The last record read, and when it was first seen (our monotonic clock).
-    observed: Option<(Record, Instant)>,
+    /// The last record read, and since when we have seen it (our clock).
+    observed: Option<Observation<Record>>,
     /// When our last successful write as holder was sent.
-    renewed: Option<Instant>,
+    renewed: Option<Moment>,
 }
 
 impl Elector {
@@ -147,15 +153,13 @@ impl Elector {
     }
 
     /// The Lease as read at `now` (None: it does not exist).
-    pub fn observe(&mut self, record: Option<Record>, now: Instant) -> Decision {
+    pub fn observe(&mut self, record: Option<Record>, now: Moment) -> Decision {
         let Some(record) = record else {
             return Decision::Create;
         };
-        let since = match &self.observed {
-            Some((seen, at)) if *seen == record => *at,
-            _ => now,
-        };
-        self.observed = Some((record.clone(), since));
+        let seen = Observation::next(self.observed.take(), record.clone(), now);
+        let seen_for = seen.unchanged_for(now);
+        self.observed = Some(seen);
         match record.holder {
             Some(h) if h == self.identity => Decision::Renew,
             None => {
@@ -169,7 +173,6 @@ impl Elector {
                     Some(s) if s > 0 => Duration::from_secs(s.unsigned_abs().into()),
                     _ => self.lease_duration,
                 };
-                let seen_for = now.saturating_duration_since(since);
                 if seen_for >= duration {
                     Decision::TakeOver { from: Some(holder) }
                 } else {
@@ -181,19 +184,19 @@ impl Elector {
 
     /// Our write as holder, sent at `sent`, succeeded at `now`; `record` is the Lease it
     /// wrote.
-    pub fn held(&mut self, record: Record, sent: Instant, now: Instant) {
+    pub fn held(&mut self, record: Record, sent: Moment, now: Moment) {
         self.renewed = Some(self.renewed.map_or(sent, |r| r.max(sent)));
-        self.observed = Some((record, now));
+        self.observed = Some(Observation::new(record, now));
     }
 
     /// Whether we lead at `now`: our last successful renewal was sent less than the renew
     /// deadline ago.
-    pub fn leading(&self, now: Instant) -> bool {
+    pub fn leading(&self, now: Moment) -> bool {
         self.deadline().is_some_and(|d| now < d)
     }
 
     /// When leadership ends unless renewed (None: we do not hold the Lease).
-    pub fn deadline(&self) -> Option<Instant> {
+    pub fn deadline(&self) -> Option<Moment> {
         self.renewed.map(|r| r + self.renew_deadline)
     }
 
@@ -215,40 +218,46 @@ enum TryError {
 /// Run the election until `stop` turns true, saying on `leading` whether we lead right now;
 /// then, if we lead, release the Lease. The caller must have stopped the work the Lease
 /// guards before it sets `stop` (the channel turns false first either way).
-pub async fn run(api: Api<Lease>, cfg: ElectionConfig, leading: watch::Sender<bool>, mut stop: watch::Receiver<bool>) {
+pub async fn run(api: Api<Lease>, cfg: ElectionConfig, leading: watch::Sender<bool>, stop: watch::Receiver<bool>) {
+    run_on(crate::clock::system(), api, cfg, leading, stop).await
+}
+
+/// [`run`] on the clock `clock`.
+pub async fn run_on(clock: Arc<dyn Clock>, api: Api<Lease>, cfg: ElectionConfig, leading: watch::Sender<bool>, mut stop: watch::Receiver<bool>) {
+    let clock = &*clock;
     let mut elector = Elector::new(&cfg);
     let mut lease: Option<Lease> = None;
     let lease_name = format!("{}/{}", cfg.namespace, cfg.name);
     info!(lease = %lease_name, identity = %cfg.identity, "attempting to acquire leader lease");
     while !*stop.borrow() {
-        let started = Instant::now();
+        let started = clock.now();
         // A try ends by its timeout, and for the leader by its deadline at the latest.
-        let until = elector.deadline().filter(|d| *d > started).map_or(started + cfg.try_timeout(), |d| d.min(started + cfg.try_timeout()));
+        let limit = elector.deadline().map_or(cfg.try_timeout(), |d| d.saturating_duration_since(started).min(cfg.try_timeout()));
         let was_leading = elector.leading(started);
-        match tokio::time::timeout_at(until.into(), try_acquire_or_renew(&api, &cfg, &mut elector, &mut lease)).await {
+        match tokio::time::timeout(limit, try_acquire_or_renew(clock, &api, &cfg, &mut elector, &mut lease)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => report_failure(&cfg, &lease_name, was_leading, &e),
-            Err(_) => report_failure(&cfg, &lease_name, was_leading, &TryError::Timeout(until - started)),
+            Err(_) => report_failure(&cfg, &lease_name, was_leading, &TryError::Timeout(limit)),
         }
-        publish(&leading, &elector, &lease_name);
+        publish(clock, &leading, &elector, &lease_name);
         // The leader renews every retry period; the others look with jitter (client-go's).
-        let period = if elector.leading(Instant::now()) {
+        let period = if elector.leading(clock.now()) {
             cfg.retry_period
         } else {
             cfg.retry_period.mul_f64(1.0 + rand::random::<f64>() * (JITTER_FACTOR - 1.0))
         };
-        let next = Instant::now() + period;
         // Wake at the deadline, too: leadership ends then, not at the next try.
-        let wake = elector.deadline().filter(|d| *d > Instant::now()).map_or(next, |d| d.min(next));
+        let now = clock.now();
+        let wait = elector.deadline().filter(|d| *d > now).map_or(period, |d| d.saturating_duration_since(now).min(period));
         tokio::select! {
-            _ = tokio::time::sleep_until(wake.into()) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = stop.changed() => {}
         }
-        publish(&leading, &elector, &lease_name);
+        publish(clock, &leading, &elector, &lease_name);
     }
-    let was_leading = elector.leading(Instant::now());
+    let was_leading = elector.leading(clock.now());
     elector.released();
-    publish(&leading, &elector, &lease_name);
+    publish(clock, &leading, &elector, &lease_name);
     if was_leading {
         if let Some(held) = lease {
             release(&api, &cfg, held).await;
@@ -265,8 +274,8 @@ fn report_failure(cfg: &ElectionConfig, lease: &str, was_leading: bool, e: &TryE
 }
 
 /// Say on the channel whether we lead now, logging the change.
-fn publish(leading: &watch::Sender<bool>, elector: &Elector, lease: &str) {
-    let now = elector.leading(Instant::now());
+fn publish(clock: &dyn Clock, leading: &watch::Sender<bool>, elector: &Elector, lease: &str) {
+    let now = elector.leading(clock.now());
     leading.send_if_modified(|l| {
         if *l == now {
             return false;
@@ -282,10 +291,10 @@ fn publish(leading: &watch::Sender<bool>, elector: &Elector, lease: &str) {
 }
 
 /// One read of the Lease and, if the decision says so, one write.
-async fn try_acquire_or_renew(api: &Api<Lease>, cfg: &ElectionConfig, elector: &mut Elector, held: &mut Option<Lease>) -> Result<(), TryError> {
+async fn try_acquire_or_renew(clock: &dyn Clock, api: &Api<Lease>, cfg: &ElectionConfig, elector: &mut Elector, held: &mut Option<Lease>) -> Result<(), TryError> {
     let current = api.get_opt(&cfg.name).await?;
-    let decision = elector.observe(current.as_ref().map(Record::of), Instant::now());
-    let sent = Instant::now();
+    let decision = elector.observe(current.as_ref().map(Record::of), clock.now());
+    let sent = clock.now();
     let written = match (decision, current) {
         (Decision::Wait { holder, expires_in }, _) => {
             debug!(%holder, ?expires_in, "lease is held by another replica and has not yet expired");
@@ -310,7 +319,7 @@ async fn try_acquire_or_renew(api: &Api<Lease>, cfg: &ElectionConfig, elector: &
             api.replace(&cfg.name, &PostParams::default(), &lease).await?
         }
     };
-    elector.held(Record::of(&written), sent, Instant::now());
+    elector.held(Record::of(&written), sent, clock.now());
     *held = Some(written);
     Ok(())
 }
@@ -373,7 +382,7 @@ mod tests {
 
     #[test]
     fn another_holder_expires_only_after_a_lease_duration_of_our_own_observation() {
-        let t0 = Instant::now();
+        let t0 = Moment::ZERO;
         let mut e = Elector::new(&cfg());
         // renewTime from a clock far behind ours: the old code compared it with our wall
         // clock and took the Lease over at once. Only our observation counts.
@@ -385,7 +394,7 @@ mod tests {
 
     #[test]
     fn a_renewal_by_the_holder_starts_the_observation_again() {
-        let t0 = Instant::now();
+        let t0 = Moment::ZERO;
         let mut e = Elector::new(&cfg());
         // renewTime far in our future (a clock ahead): it buys the holder nothing either.
         let far = Timestamp::from_second(4_000_000_000).unwrap_or(Timestamp::MAX);
@@ -398,7 +407,7 @@ mod tests {
 
     #[test]
     fn the_record_s_own_lease_duration_counts_and_ours_stands_in_when_absent() {
-        let t0 = Instant::now();
+        let t0 = Moment::ZERO;
         let mut e = Elector::new(&cfg());
         let mut r = rec(Some("other"), "7", Timestamp::UNIX_EPOCH);
         r.lease_duration_seconds = Some(40);
@@ -415,7 +424,7 @@ mod tests {
 
     #[test]
     fn a_released_lease_is_free_at_once_and_a_missing_one_is_created() {
-        let t0 = Instant::now();
+        let t0 = Moment::ZERO;
         let mut e = Elector::new(&cfg());
         assert_eq!(e.observe(Some(rec(None, "9", Timestamp::now())), t0), Decision::TakeOver { from: None });
         assert_eq!(e.observe(None, t0), Decision::Create);
@@ -423,7 +432,7 @@ mod tests {
 
     #[test]
     fn the_leader_leads_until_the_renew_deadline_after_its_last_successful_renewal_was_sent() {
-        let t0 = Instant::now();
+        let t0 = Moment::ZERO;
         let mut e = Elector::new(&cfg());
         assert!(!e.leading(t0));
         assert_eq!(e.observe(Some(rec(Some("me"), "3", Timestamp::now())), t0), Decision::Renew);
@@ -431,7 +440,7 @@ mod tests {
         e.held(rec(Some("me"), "4", Timestamp::now()), t0, t0 + s(3));
         assert!(e.leading(t0 + s(3)));
         // Failed renewals in between change nothing (no flapping) ...
-        assert!(e.leading(t0 + s(10) - Duration::from_millis(1)));
+        assert!(e.leading(t0 + Duration::from_millis(9_999)));
         // ... until the deadline.
         assert!(!e.leading(t0 + s(10)));
         assert_eq!(e.deadline(), Some(t0 + s(10)));
@@ -444,7 +453,7 @@ mod tests {
 
     #[test]
     fn a_record_naming_another_holder_ends_leadership_at_once() {
-        let t0 = Instant::now();
+        let t0 = Moment::ZERO;
         let mut e = Elector::new(&cfg());
         e.held(rec(Some("me"), "4", Timestamp::now()), t0, t0);
         assert!(matches!(e.observe(Some(rec(Some("other"), "5", Timestamp::now())), t0 + s(1)), Decision::Wait { .. }));

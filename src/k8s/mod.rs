@@ -8,5 +8,6 @@
 
 pub mod annotations;
 pub mod ipaddress;
+pub mod lease;
 pub mod service;
 pub mod servicecidr;

@@ -11,6 +11,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::time::Duration;
 
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, PartialObjectMeta};
@@ -33,6 +34,11 @@ pub enum IpChange {
     /// The view was listed anew: changes since the last event may have been missed.
     Relisted,
 }
+
+/// How long [`ApiserverIps::recorded_now`] waits for the kube-apiserver: below the
+/// webhook's 5 s timeout (deploy/webhooks.yaml), so an admission reading a record gets an
+/// answer (an error) instead of hanging on a half-open connection.
+const RECORDED_NOW_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// How many changes a slow subscriber may fall behind before it misses some (it is told:
 /// `broadcast::error::RecvError::Lagged`).
@@ -139,9 +145,10 @@ impl ApiserverIps {
     pub async fn recorded_now(&self, ip: IpAddr) -> Result<bool, StoreError> {
         let Some(api) = &self.api else { return Ok(self.contains(ip)) };
         // (Metadata only: an object whose spec cannot be decoded still records the address.)
-        match api.get_metadata_opt(&ip.to_string()).await {
-            Ok(found) => Ok(found.is_some()),
-            Err(e) => Err(StoreError::from_kube(format!("reading IPAddress {ip}"), e)),
+        match tokio::time::timeout(RECORDED_NOW_TIMEOUT, api.get_metadata_opt(&ip.to_string())).await {
+            Ok(Ok(found)) => Ok(found.is_some()),
+            Ok(Err(e)) => Err(StoreError::from_kube(format!("reading IPAddress {ip}"), e)),
+            Err(_) => Err(StoreError::Unavailable(format!("reading IPAddress {ip}: the kube-apiserver did not answer within {RECORDED_NOW_TIMEOUT:?}").into())),
         }
     }
 
@@ -177,4 +184,31 @@ impl ApiserverIps {
 
 fn warn_unreadable(name: &str) {
     warn!(ipaddress = %name, "an IPAddress object's name is not a canonical IP address; it holds no address (delete it: kubectl delete ipaddress {name})");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 32, fault 5 on the admission path: a kube-apiserver that accepts the connection
+    /// and never answers (half-open) gets `recorded_now` an error within its bound, not a
+    /// hang.
+    #[tokio::test(start_paused = true)]
+    async fn a_read_from_storage_that_never_answers_is_bounded() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("listen");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                open.push(conn);
+            }
+        });
+        let config = kube::Config::new(url.parse().expect("url"));
+        let client = kube::Client::try_from(config).expect("client");
+        let ips = ApiserverIps { api: Some(Api::all(client)), ..ApiserverIps::default() };
+        let r = tokio::time::timeout(Duration::from_secs(60), ips.recorded_now("198.19.0.1".parse().expect("ip"))).await;
+        held.abort();
+        let r = r.expect("recorded_now waited 60 s for an apiserver that never answers");
+        assert!(matches!(&r, Err(StoreError::Unavailable(_))), "{r:?}");
+    }
 }

@@ -24,6 +24,14 @@ pub enum Change<T> {
     Delete(T),
 }
 
+/// The watch's configuration: its (re-)lists are consistent reads (no resourceVersion), never
+/// served from an apiserver's watch cache (`resourceVersion=0`), which in an HA control plane
+/// can be older than what this watch has already seen: a relist must never take back what
+/// the view showed (docs/backends.md, "Address blocks").
+fn config() -> watcher::Config {
+    watcher::Config::default().list_semantic(watcher::ListSemantic::MostRecent)
+}
+
 /// Watch every object of `api` until the stream ends (kube-runtime's watcher re-lists and
 /// retries with backoff on its own): `read` each object, hand each change to `on`. Watch
 /// errors are logged as `what`'s and otherwise ignored.
@@ -31,7 +39,7 @@ pub async fn fold<K, T>(api: Api<K>, what: &'static str, read: impl Fn(&K) -> T,
 where
     K: kube::Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+    let mut stream = watcher::watcher(api, config()).default_backoff().boxed();
     let mut relist: Option<Vec<T>> = None;
     while let Some(ev) = stream.next().await {
         match ev {
@@ -46,5 +54,15 @@ where
             Ok(Event::Delete(o)) => on(Change::Delete(read(&o))),
             Err(e) => warn!(error = %e, "{what} watch failed; retrying"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relists_are_consistent_reads() {
+        assert_eq!(config().list_semantic, watcher::ListSemantic::MostRecent);
     }
 }

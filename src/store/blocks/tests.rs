@@ -1,0 +1,268 @@
+//! The block store's shell on an in-memory apiserver (`fake.rs`) and a clock moved by hand:
+//! each case of the protocol deterministic, in milliseconds. What needs the real
+//! kube-apiserver (its preconditions, its watch, a restart) stays in `tests/blocks.rs`.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::fake::FakeApi;
+use super::*;
+use crate::clock::testing::ManualClock;
+
+/// Lease duration D and margin M (as tests/blocks.rs): a holder answers for D − M = 20 s
+/// after each confirmed renewal; an observer takes over after 30 s unchanged.
+const D: Duration = Duration::from_secs(30);
+const M: Duration = Duration::from_secs(10);
+
+fn s(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// A /28 without a static band: 14 addresses; one 16-address block, or four of 4, 4, 4, 2.
+fn range() -> ServiceCidr {
+    ServiceCidr::parse("198.19.0.128/28").expect("range")
+}
+
+fn parent(name: &str) -> ParentRef {
+    ParentRef::service("ns", name)
+}
+
+fn options(size: u64) -> BlockOptions {
+    BlockOptions { size: Some(size), lease_duration: D, margin: M, renew_every: None }
+}
+
+/// A replica on `api` and `clock`, with its lead of blocks taken (as `BlockStore::open`).
+async fn replica(api: &Arc<FakeApi>, clock: Arc<dyn Clock>, name: &str, size: u64, view: ApiserverIps) -> Arc<BlockStore> {
+    let me = BlockStore::start(api.clone(), clock, vec![range()], view, name, options(size)).await.expect("start the block store");
+    me.take_lead().await;
+    me
+}
+
+fn is_full<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
+    matches!(r, Err(StoreError::Alloc(AllocError::Full)))
+}
+
+/// Everything a replica can still pick, until it reports the range full.
+async fn drain(r: &BlockStore, who: &str) -> Vec<IpAddr> {
+    let mut got = Vec::new();
+    loop {
+        match r.allocate_next(Family::IPv4, Some(&parent(who))).await {
+            Ok(ip) => got.push(ip),
+            Err(StoreError::Alloc(AllocError::Full)) => return got,
+            Err(e) => panic!("picking: {e}"),
+        }
+        assert!(got.len() <= 14, "more picks than addresses: {got:?}");
+    }
+}
+
+fn addresses_of(name: &str, size: u64) -> Vec<IpAddr> {
+    let c = range();
+    let index: u64 = name.rsplit_once('-').and_then(|(_, i)| i.parse().ok()).expect("a block Lease name");
+    let sp = span(&c, size, index).expect("a block of the range");
+    (sp.first..sp.end).filter_map(|off| c.ip_at(off)).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_answers_only_while_its_last_confirmed_renewal_is_younger_than_d_minus_m() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    assert_eq!(a.held_blocks(), vec![block_name(&range(), 0)]);
+    clock.advance(D - M - Duration::from_millis(1));
+    assert!(a.allocate_next(Family::IPv4, Some(&parent("x"))).await.is_ok(), "A answers just before D − M");
+    clock.advance(Duration::from_millis(1));
+    assert!(a.held_blocks().is_empty(), "A still answers D − M after its last confirmed renewal");
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("y"))).await));
+    // A renewal confirmed: A answers again, for D − M after it was sent.
+    assert_eq!(a.tick().await.renewed, 1);
+    assert!(a.allocate_next(Family::IPv4, Some(&parent("z"))).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_observer_takes_over_only_after_seeing_the_lease_unchanged_for_d_and_skips_what_its_list_shows() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    assert!(b.held_blocks().is_empty());
+    let x = a.allocate_next(Family::IPv4, Some(&parent("first"))).await.expect("A answers");
+    api.record_address(x); // the apiserver stored it; B's view never shows it
+    drop(a); // a crash: the Lease stays, unrenewed
+    clock.advance(D - Duration::from_millis(1));
+    b.tick().await;
+    assert!(is_full(&b.allocate_next(Family::IPv4, Some(&parent("early"))).await), "B took over before D");
+    clock.advance(Duration::from_millis(1));
+    b.tick().await;
+    let picked = drain(&b, "rest").await;
+    assert!(!picked.contains(&x), "B answered {x}, stored before the takeover: {picked:?}");
+    assert_eq!(picked.iter().collect::<BTreeSet<_>>().len(), 13, "{picked:?}");
+    let lease = api.lease(&block_name(&range(), 0)).expect("the block Lease");
+    assert!(crate::k8s::lease::holder(&lease).is_some_and(|h| h.starts_with("replica-b/")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_renewal_seen_by_the_observer_restarts_its_count() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    clock.advance(s(15));
+    a.tick().await;
+    b.tick().await;
+    clock.advance(s(20));
+    a.tick().await; // not seen by B before its own tick below
+    b.tick().await;
+    assert!(is_full(&b.allocate_next(Family::IPv4, Some(&parent("b"))).await), "B took over a block renewed 20 s ago");
+    assert_eq!(a.held_blocks(), vec![block_name(&range(), 0)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_hands_over_a_block_with_room_and_no_pick_pending() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let view = ApiserverIps::fixed([]);
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 4, view.clone()).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 4, view.clone()).await;
+    assert_eq!((a.held_blocks().len(), b.held_blocks().len()), (2, 1));
+    let x = a.allocate_next(Family::IPv4, Some(&parent("a"))).await.expect("A answers");
+    let with_x = a.held_blocks().into_iter().find(|n| addresses_of(n, 4).contains(&x)).expect("A's block of x");
+    let other = a.held_blocks().into_iter().find(|n| *n != with_x).expect("A's other block");
+    // B uses its block and the free one up, then asks.
+    let mut got = drain(&b, "b").await;
+    let asked = |n: &String| api.lease(n).is_some_and(|l| l.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(WANTED_ANNOTATION)));
+    assert!(asked(&other) || asked(&with_x), "B asked A for a block");
+    let t = a.tick().await;
+    assert_eq!(t.handed_over, vec![other.clone()], "A hands over its block without a pending pick");
+    // (B's next admission finds it once its wait that got nothing is over.)
+    clock.advance(book::HANDOVER_WAIT);
+    got.extend(drain(&b, "b").await);
+    let kept = addresses_of(&with_x, 4);
+    assert_eq!(got.len(), 14 - kept.len(), "{got:?}");
+    assert!(got.iter().all(|ip| !kept.contains(ip)));
+    assert_eq!(got.iter().collect::<BTreeSet<_>>().len(), got.len());
+}
+
+/// Fault 1 (issue 32): a frozen VM. The machine is suspended for longer than D − M: its
+/// CLOCK_MONOTONIC stands still, its CLOCK_BOOTTIME counts the pause. Resumed, the holder
+/// must not answer from a block whose last confirmed renewal is now older than D − M.
+#[tokio::test(start_paused = true)]
+async fn a_holder_resumed_after_a_frozen_vm_counts_the_suspended_time() {
+    use crate::clock::{testing::Machine, SystemClock};
+    let (api, machine) = (Arc::new(FakeApi::default()), Machine::default());
+    machine.run(s(100));
+    let a = replica(&api, Arc::new(SystemClock::with(machine.clone())), "replica-a", 16, ApiserverIps::fixed([])).await;
+    assert_eq!(a.held_blocks(), vec![block_name(&range(), 0)]);
+    machine.run(s(1));
+    machine.suspend(D + s(60));
+    assert!(a.held_blocks().is_empty(), "A answers from its block after a {:?} suspension", D + s(60));
+    let r = a.allocate_next(Family::IPv4, Some(&parent("after"))).await;
+    assert!(is_full(&r), "A answered {r:?} after the pause without a confirmed renewal");
+    // A renewal confirmed after the pause (nobody took the block over): A answers again.
+    assert_eq!(a.tick().await.renewed, 1);
+    assert!(a.allocate_next(Family::IPv4, Some(&parent("renewed"))).await.is_ok());
+}
+
+/// Fault 2: a block Lease deleted by hand (or by a namespace clean-up). The holder's watch
+/// sees the delete: it stops answering from the block at once, not at its next renewal.
+#[tokio::test(start_paused = true)]
+async fn a_block_lease_deleted_by_hand_stops_its_holder_answering_at_once() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let name = block_name(&range(), 0);
+    let deleted = api.remove(&name).expect("the block Lease");
+    a.on_lease_change(Change::Delete(deleted));
+    assert!(a.held_blocks().is_empty(), "A still answers from {name}, whose Lease was deleted");
+    // A delete of an earlier Lease of that name (another uid) drops nothing.
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    assert_eq!(b.held_blocks(), vec![name.clone()]);
+    let mut old = api.lease(&name).expect("B's Lease");
+    old.metadata.uid = Some("an-earlier-uid".into());
+    b.on_lease_change(Change::Delete(old));
+    assert_eq!(b.held_blocks(), vec![name]);
+}
+
+/// Fault 3: a hand-over whose delete was applied but whose answer was lost. The holder
+/// must not pick from the block again (the asker may have recreated it) until it knows
+/// the Lease is still its own; once a retry finds it gone, the block is dropped.
+#[tokio::test(start_paused = true)]
+async fn a_hand_over_whose_delete_answer_was_lost_is_not_picked_from_again() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 4, ApiserverIps::fixed([])).await;
+    let before = a.held_blocks();
+    assert_eq!(before.len(), 2);
+    api.lose_answer(fake::Call::DeleteLease);
+    assert_eq!(a.hand_over(0).await, None, "the outcome is unknown");
+    let gone: Vec<String> = before.iter().filter(|n| api.lease(n).is_none()).cloned().collect();
+    assert_eq!(gone.len(), 1, "the delete was applied");
+    assert!(!a.held_blocks().contains(&gone[0]), "A answers from {}, whose give-back may have been applied", gone[0]);
+    let picked = drain(&a, "a").await;
+    let theirs = addresses_of(&gone[0], 4);
+    assert!(picked.iter().all(|ip| !theirs.contains(ip)), "A picked from {}: {picked:?}", gone[0]);
+    api.heal();
+    a.tick().await;
+    assert!(!a.held_blocks().contains(&gone[0]));
+}
+
+/// Fault 5: a half-open connection (a call that never answers) must not freeze the
+/// replica's renewals and looks: every call is bounded.
+#[tokio::test(start_paused = true)]
+async fn a_call_that_never_answers_does_not_stop_the_renewals() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    api.hang(fake::Call::ReplaceLease);
+    api.hang(fake::Call::ListLeases);
+    let t = tokio::time::timeout(s(60), a.tick()).await;
+    assert!(t.is_ok(), "a tick waited 60 s for a renewal that never answers");
+    api.heal();
+    assert_eq!(a.tick().await.renewed, 1, "the next tick renews");
+    // The admission path too: a block to take, and the apiserver never answers.
+    let (api2, clock2) = (Arc::new(FakeApi::default()), ManualClock::default());
+    api2.hang(fake::Call::CreateLease);
+    let started = tokio::time::Instant::now();
+    let b = tokio::time::timeout(s(600), replica(&api2, Arc::new(clock2), "replica-b", 16, ApiserverIps::fixed([]))).await;
+    assert!(b.is_ok(), "opening waited 600 s for a create that never answers");
+    let b = b.expect("opened");
+    let r = tokio::time::timeout(s(60), b.allocate_next(Family::IPv4, Some(&parent("b")))).await;
+    assert!(r.is_ok_and(|r| r.is_err()), "an admission waited 60 s for the apiserver (opened after {:?})", started.elapsed());
+}
+
+/// Fault 6: a Lease of our own that we do not hold (a create whose answer was lost, a
+/// give-back that failed) is reclaimed while we run, not left until we restart.
+#[tokio::test(start_paused = true)]
+async fn an_orphaned_lease_of_our_own_is_reclaimed() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    api.lose_answer(fake::Call::CreateLease);
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    assert!(a.held_blocks().is_empty());
+    let name = block_name(&range(), 0);
+    assert!(api.lease(&name).is_some_and(|l| crate::k8s::lease::holder(&l) == Some(a.holder().as_str())), "the create was applied");
+    api.heal();
+    a.tick().await;
+    let orphan = api.lease(&name).filter(|l| crate::k8s::lease::holder(l) == Some(a.holder().as_str()));
+    assert!(orphan.is_none() || a.held_blocks() == vec![name.clone()], "A's own Lease {name} is neither held nor reclaimed");
+    // Taken again (by anyone) it answers.
+    assert!(a.allocate_next(Family::IPv4, Some(&parent("a"))).await.is_ok());
+}
+
+/// A holder that missed its renewals (paused, cut off) stops answering at D − M, before an
+/// observer may take over at D; after the takeover its next renewal is refused and it drops
+/// the block for good. (Was `tests/blocks.rs`: `a_holder_that_missed_its_renewals_…`, 60 s
+/// of waiting on a real apiserver.)
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_missed_its_renewals_stops_before_a_takeover_and_drops_the_block_after_it() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    let x = a.allocate_next(Family::IPv4, Some(&parent("a-0"))).await.expect("A answers");
+    api.record_address(x);
+    clock.advance(D - M);
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("a-more"))).await), "A answers D − M after its last renewal");
+    b.tick().await;
+    assert!(is_full(&b.allocate_next(Family::IPv4, Some(&parent("b-early"))).await), "B took over before D");
+    clock.advance(M);
+    b.tick().await;
+    let picked = drain(&b, "b").await;
+    assert!(!picked.is_empty() && !picked.contains(&x), "{picked:?}");
+    let t = a.tick().await;
+    assert_eq!(t.lost, vec![block_name(&range(), 0)], "A did not notice the takeover: {t:?}");
+    assert!(a.held_blocks().is_empty());
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("after"))).await));
+}

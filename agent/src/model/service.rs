@@ -181,10 +181,13 @@ pub fn is_dns_label(s: &str) -> bool {
         && b[b.len() - 1] != b'-'
 }
 
-/// Whether `s` is a Service port name Kubernetes accepts (an IANA service name: at most 15
-/// lowercase letters, digits and '-'), or empty (a single unnamed port).
+/// Whether `s` is a Service port name the kube-apiserver accepts: a DNS label (at most 63
+/// lowercase letters, digits and '-', a letter or digit at each end), or empty (a single
+/// unnamed port). Not an IANA service name: that rule (at most 15) is a *container* port's
+/// name, which a named targetPort refers to; the Service's own port name may be longer
+/// (Kubernetes' e2e "named targetPorts" test names its port `mutable-named-port`).
 pub fn is_port_name(s: &str) -> bool {
-    s.is_empty() || (s.len() <= 15 && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-'))
+    s.is_empty() || is_dns_label(s)
 }
 
 /// Read a Service into its ports. `proxy_name` is this agent's
@@ -277,7 +280,7 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Result<Vec<Serv
         };
         let port_name = p.name.clone().unwrap_or_default();
         if !is_port_name(&port_name) {
-            tracing::warn!(service = %nsn, port_name = %port_name, "ignoring port whose name is not an IANA service name");
+            tracing::warn!(service = %nsn, port_name = %port_name, "ignoring port whose name is not a DNS label");
             continue;
         }
         let Ok(port) = u16::try_from(p.port) else {
@@ -368,6 +371,23 @@ mod tests {
         let ports = service_ports(&s, None).expect("proxied");
         assert_eq!(ports.iter().map(|p| p.port).collect::<Vec<_>>(), vec![81], "the port with a bad name is dropped");
         assert!(is_dns_label("a-1") && is_dns_label(&"a".repeat(63)) && !is_dns_label("a."));
+    }
+
+    #[test]
+    fn port_names_are_dns_labels_not_iana_service_names() {
+        // Kubernetes' e2e "should support named targetPorts that resolve to different ports
+        // on different endpoints" names its Service port `mutable-named-port` (18 letters):
+        // the kube-apiserver accepts any DNS label there, and the port was dropped (its
+        // ClusterIP never answered) while names were held to 15.
+        let s = svc(json!({"metadata": {"name": "mutable-named-port", "namespace": "ns"},
+            "spec": {"clusterIP": "198.19.0.1", "ports": [
+                {"name": "mutable-named-port", "port": 8001, "targetPort": "mutable-port"},
+                {"name": "a".repeat(63), "port": 8002},
+                {"name": "b".repeat(64), "port": 8003},
+                {"name": "-x", "port": 8004}]}}));
+        let ports = service_ports(&s, None).expect("proxied");
+        assert_eq!(ports.iter().map(|p| p.port).collect::<Vec<_>>(), vec![8001, 8002], "a 64-letter or '-x' name is dropped");
+        assert_eq!(ports[0].name.port_name, "mutable-named-port");
     }
 
     #[test]

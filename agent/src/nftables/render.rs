@@ -419,6 +419,23 @@ mod tests {
     }
 
     #[test]
+    fn the_longest_names_kubernetes_allows_make_chain_names_nftables_takes() {
+        // Namespace, Service and port name each a 63-letter DNS label, SCTP, an IPv6
+        // endpoint with a 5-digit port, session affinity: every chain name stays under
+        // nftables' 256 bytes (NFT_CHAIN_MAXNAMELEN, with its NUL).
+        let (l63, m63, n63) = ("a".repeat(63), "b".repeat(63), "c".repeat(63));
+        let mut sp = ServicePort::cluster_ip(&l63, &m63, &n63, Protocol::Sctp, ip("fd00::10"), 65535);
+        sp.affinity_timeout = Some(10800);
+        let ep = Endpoint::ready(ip("fd00:ffff:ffff:ffff:ffff:ffff:ffff:ffff"), 65535);
+        let d = DesiredPort { port: sp, v4: Categorized::default(), v6: Categorized { cluster: vec![ep], local: vec![], has_any: true } };
+        let f = render_port(&d, IpFamily::V6, &RenderOptions::default(), None, &mut SlotAllocator::default()).expect("render");
+        assert!(f.chains.keys().any(|c| c.starts_with("ep-")), "an endpoint chain: {:?}", f.chains.keys().collect::<Vec<_>>());
+        for chain in f.chains.keys() {
+            assert!(chain.len() < 256, "{} bytes: {chain}", chain.len());
+        }
+    }
+
+    #[test]
     fn cluster_ip_with_endpoints_uses_shared_dnat_map() {
         let mut endpoints = eps(3);
         endpoints[1].is_local = true;

@@ -399,13 +399,19 @@ attach_node() { # netns address veth-name port-name (in the outside namespace)
   ip -n "$EXTNS" link set "$port" up
 }
 remove_netns() {
-  local ns p rc=0
+  local ns p rc=0 deadline
   for ns in "$WNETNS" "$NETNS" "$EXTNS"; do
     [ -e "/run/netns/$ns" ] || continue
     for p in $(ip netns pids "$ns" 2>/dev/null); do
       log "netns $ns: killing $(proc_desc "$p")"; kill -KILL "$p" 2>/dev/null || true
     done
-    ip netns delete "$ns" 2>/dev/null || { log "could not delete netns $ns"; rc=1; }
+    # (The nodes' mount namespaces hold copies of these mounts; the delete can fail with
+    # EBUSY until the last of a node's processes is gone, a moment after it was killed.)
+    deadline=$((SECONDS + 10))
+    until ip netns delete "$ns" 2>/dev/null || [ ! -e "/run/netns/$ns" ]; do
+      [ $SECONDS -lt $deadline ] || { log "could not delete netns $ns"; rc=1; break; }
+      sleep 0.2
+    done
   done
   return $rc
 }

@@ -3,7 +3,9 @@
 # kube-apiserver, kube-controller-manager, kube-scheduler, containerd (+ runc, CNI) and kubelet
 # in a network namespace of their own (and mount and pid namespaces: scripts/lib/node-init.sh),
 # with a cgroup subtree of their own. clusterip-agent (deploy/agent) is the node's Service
-# dataplane: there is no kube-proxy (CLUSTERIP_NODE_PROXY=kube-proxy runs one instead).
+# dataplane: there is no kube-proxy (CLUSTERIP_NODE_PROXY=kube-proxy runs one instead, as a
+# stock install does: the DaemonSet of tests/node/kube-proxy.yaml, applied by `up`, image
+# from scripts/build-images.sh kube-proxy).
 #
 #   scripts/node-cluster.sh up        build what is missing (cached), start the node, wait
 #                                     until the node is Ready; prints how to reach it
@@ -206,7 +208,6 @@ gen_pki() {
     fi
     sign kube-controller-manager /CN=system:kube-controller-manager "extendedKeyUsage = clientAuth\n"
     sign kube-scheduler /CN=system:kube-scheduler "extendedKeyUsage = clientAuth\n"
-    sign kube-proxy /CN=system:kube-proxy "extendedKeyUsage = clientAuth\n"
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
     rm -f ca.srl )
@@ -235,7 +236,7 @@ EOF
 }
 write_configs() {
   local u
-  for u in admin kubelet kube-controller-manager kube-scheduler kube-proxy; do kubeconfig "$state/$u.kubeconfig" "$u"; done
+  for u in admin kubelet kube-controller-manager kube-scheduler; do kubeconfig "$state/$u.kubeconfig" "$u"; done
 }
 # One node's files, in its dir (the state dir for the first node, <state>/node-2 for the
 # worker), read by scripts/lib/node-init.sh there.
@@ -345,18 +346,6 @@ imageGCLowThresholdPercent: 98
 evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
 EOF
   [ "$dir" = "$state" ] || kubeconfig "$dir/kubelet.kubeconfig" "$cert"
-  # (clusterCIDR: the whole pod network, both nodes' halves; traffic from outside it is
-  # masqueraded on its way to a Service.)
-  cat > "$dir/kube-proxy.yaml" <<EOF
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: nftables
-clientConnection: {kubeconfig: $state/kube-proxy.kubeconfig}
-clusterCIDR: $POD_CIDR
-healthzBindAddress: 0.0.0.0:10256
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {maxPerCore: 0}
-EOF
 }
 
 # ---------------------------------------------------------------- network namespaces
@@ -446,14 +435,16 @@ cmd_up() {
   cmd_down quiet
   local started=$SECONDS
   "$builder" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl containerd cni-plugins
-  [ "$PROXY" = kube-proxy ] && "$builder" kube-proxy
-  local img
+  local img imgs=(clusterip clusterip-agent pause)
+  [ "$PROXY" = kube-proxy ] && imgs+=(kube-proxy)
   # (CLUSTERIP_NODE_BUILD_IMAGES=0: import whatever target/images holds, build nothing.)
   if [ "${CLUSTERIP_NODE_BUILD_IMAGES:-1}" != 0 ]; then
-    for img in clusterip clusterip-agent pause; do
+    for img in "${imgs[@]}"; do
       [ -f "$repo/target/images/$img.oci.tar" ] || "$repo/scripts/build-images.sh" "$img"
     done
   fi
+  [ "$PROXY" != kube-proxy ] || [ -f "$repo/target/images/kube-proxy.oci.tar" ] ||
+    die "CLUSTERIP_NODE_PROXY=kube-proxy: no target/images/kube-proxy.oci.tar (scripts/build-images.sh kube-proxy)"
   mkdir -p "$state"
   [ -z "$owner" ] || echo "$owner" > "$state/owner"
   register
@@ -494,6 +485,7 @@ cmd_up() {
   done
   # (Pods can be made once the controller-manager has made the default ServiceAccount.)
   kc_until 60 get serviceaccount default || die "no ServiceAccount default/default after 60s"
+  [ "$PROXY" != kube-proxy ] || apply_kube_proxy
   trap - EXIT
   log "up in $((SECONDS - started))s: node(s) ${names[*]} Ready ($PROXY as the Service proxy)"
   log "use it: scripts/node-cluster.sh kubectl get nodes   (or: ip netns exec $NETNS kubectl --kubeconfig $state/admin.kubeconfig …)"
@@ -523,6 +515,24 @@ wait_init() { # node-dir
 node_ready() { # [node name]
   [ -f "$state/admin.kubeconfig" ] || return 1
   kc get node "${1:-$NODE_NAME}" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+}
+
+# kube-proxy as a DaemonSet (tests/node/kube-proxy.yaml), Ready on every node. Its image is
+# imported into each node's containerd at start (target/images/kube-proxy.oci.tar).
+apply_kube_proxy() {
+  local image=registry.k8s.io/kube-proxy:v$K8S_VERSION nodes ready manifest
+  manifest=$(KUBE_PROXY_IMAGE=$image APISERVER=https://$NODE_IP:6443 CLUSTER_CIDR=$POD_CIDR \
+    envsubst '$KUBE_PROXY_IMAGE $APISERVER $CLUSTER_CIDR' < "$repo/tests/node/kube-proxy.yaml")
+  # (The runtime would make a missing hostPath directory on the machine's own filesystem:
+  # nftables mode loads no module, so without /lib/modules the mount is left out.)
+  [ -d /lib/modules ] || manifest=$(grep -v 'name: lib-modules' <<< "$manifest")
+  kc apply -f - <<< "$manifest" >&2
+  kc -n kube-system rollout status daemonset/kube-proxy --timeout=120s >&2 ||
+    die "kube-proxy DaemonSet not rolled out in 120s"
+  nodes=$(kc get nodes -o name | wc -l)
+  ready=$(kc -n kube-system get daemonset kube-proxy -o jsonpath='{.status.numberReady}')
+  [ "$ready" = "$nodes" ] || die "kube-proxy Ready on $ready node(s) of $nodes"
+  log "kube-proxy (DaemonSet, $image) Ready on $ready node(s)"
 }
 
 # Wait until `kubectl $@` succeeds, or fail after $1 seconds.

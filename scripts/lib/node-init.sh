@@ -8,8 +8,8 @@
 #
 #   node-init.sh NODE_DIR         (never run by hand: scripts/node-cluster.sh up)
 #
-# NODE_DIR holds the node's node.env, containerd.toml, kubelet.yaml, kubelet.kubeconfig,
-# kube-proxy.yaml, and gets its containerd root, kubelet root and node-pids: the state dir
+# NODE_DIR holds the node's node.env, containerd.toml, kubelet.yaml, kubelet.kubeconfig, and
+# gets its containerd root, kubelet root and node-pids: the state dir
 # itself for the first node, <state>/node-2 for the worker.
 #
 # Private to the node (mounted here, gone with it): /run (containerd's sockets and state,
@@ -134,13 +134,11 @@ for img in "$IMAGES_DIR"/*.oci.tar; do
     log "error: could not import ${img##*/} (log: $logs/images.log)"
 done
 
-# ---------------------------------------------------------------- kubelet (and kube-proxy)
+# ---------------------------------------------------------------- kubelet
+# (kube-proxy, with CLUSTERIP_NODE_PROXY=kube-proxy, is a DaemonSet: node-cluster.sh applies it.)
 spawn kubelet "$K8S_BIN/kubelet" --config "$state/kubelet.yaml" \
   --kubeconfig "$state/kubelet.kubeconfig" --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" \
   --root-dir "$state/kubelet" --v 1
-if [ "$PROXY" = kube-proxy ]; then
-  spawn kube-proxy "$K8S_BIN/kube-proxy" --config "$state/kube-proxy.yaml" --hostname-override "$NODE_NAME" --v 1
-fi
 echo ready > "$state/init-ready"
 log "all started"
 

@@ -5,7 +5,7 @@
 # Containerfiles are built unchanged (and build the same way elsewhere against real registries).
 #
 #   scripts/build-images.sh [clusterip] [clusterip-agent] [pause] [node-test]
-#                           [e2e-agnhost] [e2e-busybox] [e2e-pause] [coredns]
+#                           [e2e-agnhost] [e2e-busybox] [e2e-pause] [coredns] [kube-proxy]
 #                                   (default: the first three; node-test: scripts/test-node.sh's
 #                                   workload, tests/node/Containerfile; e2e-*: the images
 #                                   Kubernetes' e2e suite runs, scripts/lib/build-e2e-images.sh)
@@ -20,7 +20,10 @@
 #   docker.io/library/clusterip-agent:dev    agent/Containerfile
 #   registry.k8s.io/pause:<K8S_VERSION>      Kubernetes' pause, built from its source
 #                                            (scripts/lib/build-go-binaries.sh pause)
-# and an OCI archive of each of the last three in target/images/<name>.oci.tar, which
+#   registry.k8s.io/kube-proxy:v<K8S_VERSION>  kube-proxy (build-go-binaries.sh kube-proxy) in
+#                                            /usr/local/bin on Debian minbase with nftables,
+#                                            iptables and conntrack (tests/node/kube-proxy.yaml)
+# and an OCI archive of each of the last four in target/images/<name>.oci.tar, which
 # scripts/node-cluster.sh imports into the node's containerd. The e2e suite's images, under
 # the names Kubernetes' e2e.test v<K8S_VERSION> pulls (archives in target/images/e2e/):
 #   registry.k8s.io/e2e-test-images/agnhost:<VERSION>   test/images/agnhost of the Kubernetes
@@ -261,6 +264,26 @@ build_coredns() {
   log "built $coredns_image"
 }
 
+# kube-proxy as the release's image has it (build/server-image/kube-proxy: the binary in
+# /usr/local/bin on distroless-iptables, which carries iptables, nft and conntrack), on
+# Debian minbase with Debian's nftables, iptables and conntrack instead. No entrypoint: the
+# DaemonSet names the command, as kubeadm's does.
+build_kube_proxy() {
+  local bin ctr mnt
+  "$repo/scripts/lib/build-go-binaries.sh" kube-proxy
+  eval "$("$repo/scripts/lib/build-go-binaries.sh" print-dirs)"
+  bin=$K8S_BIN/kube-proxy
+  kube_proxy_image=registry.k8s.io/kube-proxy:v$K8S_VERSION
+  have_image "$kube_proxy_image" && [ ! "$bin" -nt "$out/kube-proxy.oci.tar" ] && return 0
+  ctr=$(debian_rootfs_image "$kube_proxy_image" nftables iptables conntrack)
+  mnt=$(bh mount "$ctr")
+  install -m 0755 "$bin" "$mnt/usr/local/bin/kube-proxy"
+  bh umount "$ctr" >/dev/null
+  bh config --cmd /usr/local/bin/kube-proxy "$ctr"
+  bh commit --quiet --rm "$ctr" "$kube_proxy_image" >/dev/null
+  log "built $kube_proxy_image"
+}
+
 export_archive() {
   local image=$1 file=$2
   rm -f "$out/$file.tmp"
@@ -302,6 +325,9 @@ for w in "${what[@]}"; do
     coredns)
       build_coredns
       export_archive "$coredns_image" e2e/coredns.oci.tar ;;
-    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause, coredns)" ;;
+    kube-proxy)
+      build_kube_proxy
+      export_archive "$kube_proxy_image" kube-proxy.oci.tar ;;
+    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause, coredns, kube-proxy)" ;;
   esac
 done

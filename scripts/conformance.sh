@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Kubernetes' own e2e tests (e2e.test v<K8S_VERSION>, the release the node runs) against the
-# one-node cluster, in one of two configurations, with the same binary on the same node:
+# Kubernetes' own e2e tests (e2e.test v<K8S_VERSION>, the release the nodes run) against the
+# node cluster of scripts/node-cluster.sh, in one of two configurations, with the same binary
+# on the same nodes:
 #
-#   --proxy kube-proxy   stock: kube-proxy v<K8S_VERSION> in nftables mode as the node's Service
-#                        proxy, the kube-apiserver's own ClusterIP allocator, no clusterip
+#   --proxy kube-proxy   stock: kube-proxy v<K8S_VERSION> in nftables mode, as a DaemonSet
+#                        (tests/node/kube-proxy.yaml), the kube-apiserver's own ClusterIP
+#                        allocator, no clusterip
 #   --proxy clusterip    clusterip deployed as a user does (`kubectl apply -k deploy/`): the
 #                        webhook/controller allocates, clusterip-agent is the proxy
 #                        (--backend ipaddress, the default, or etcd: the node's etcd, which
@@ -11,7 +13,7 @@
 #
 #   scripts/conformance.sh [--proxy kube-proxy|clusterip] [--backend ipaddress|etcd]
 #                          [--set proxy|conformance|smoke] [--focus REGEX] [--skip REGEX]
-#                          [--procs N] [--timeout MIN]
+#                          [--nodes 1|2] [--procs N] [--timeout MIN]
 #
 #   --set proxy        (default) every test of the selection a Service proxy and allocator
 #                      must pass: `[sig-network]` Services, Service CIDRs, ServiceCIDR and
@@ -21,17 +23,21 @@
 #   --set smoke        four tests of one node, a few minutes (CI): a basic endpoint, a
 #                      NodePort, ClusterIP session affinity, the IPAddress API
 #   --focus/--skip     replace the set's regular expressions (ginkgo's --focus/--skip)
+#   --nodes 1|2        schedulable nodes (default 2: clusterip-node and the worker
+#                      clusterip-node-2, CLUSTERIP_NODE_WORKERS=1 of node-cluster.sh; many
+#                      Service tests need two and skip themselves on one)
 #   --procs N          ginkgo processes running specs at once (default 3; the specs mostly
 #                      wait on pods, so more than the 2 cores help)
 #
 # Builds what is missing (e2e.test and the Kubernetes parts: scripts/lib/build-go-binaries.sh;
-# the clusterip images: scripts/build-images.sh; the suite's images and CoreDNS:
-# scripts/lib/build-e2e-images.sh), brings a node of its own up (scripts/node-cluster.sh,
-# state in $TMPDIR/cipnode-conformance-<pid>, owned by this run), loads the suite's images,
-# deploys clusterip (clusterip only), then CoreDNS as the cluster DNS (`node-cluster.sh dns`:
-# the suite reaches Services by name), runs e2e.test inside the node's network namespace
-# (the kube-apiserver is reachable only there) bounded by --timeout minutes (default 60),
-# brings the node down and reaps. The tests are the suite's, in Go: this only launches them.
+# the clusterip or kube-proxy images: scripts/build-images.sh; the suite's images and
+# CoreDNS: scripts/lib/build-e2e-images.sh), brings nodes of its own up
+# (scripts/node-cluster.sh, state in $TMPDIR/cipnode-conformance-<pid>, owned by this run),
+# loads the suite's images, deploys clusterip (clusterip only), then CoreDNS as the cluster
+# DNS (`node-cluster.sh dns`: the suite reaches Services by name), runs the suite through
+# the ginkgo CLI inside the first node's network namespace (the kube-apiserver is reachable
+# only there) bounded by --timeout minutes (default 60), brings the nodes down and reaps.
+# The tests are the suite's, in Go: this only launches them.
 #
 # Prints, last:
 #   RESULT conformance_<proxy>_<backend> passed=N failed=N skipped=N junit=<path>
@@ -51,7 +57,7 @@ cd "$repo"
 
 node=$repo/scripts/node-cluster.sh
 builder=$repo/scripts/lib/build-go-binaries.sh
-proxy=clusterip backend= timeout_min=60 set=proxy focus= skip= procs=3
+proxy=clusterip backend= timeout_min=60 set=proxy focus= skip= procs=3 nodes=2
 selection='\[sig-network\] (Services|Service CIDRs|ServiceCIDR and IPAddress API|Networking Granular Checks: Services|Conntrack|EndpointSlice|EndpointSliceMirroring) '
 always_skip='\[Disruptive\]|\[Serial\]|\[Flaky\]|\[Feature:[^]]+\]|LoadBalancer'
 
@@ -67,6 +73,7 @@ while [ $# -gt 0 ]; do
     --focus) focus=${2:?}; shift 2 ;;
     --skip) skip=${2?}; shift 2 ;;
     --procs) procs=${2:?}; shift 2 ;;
+    --nodes) nodes=${2:?}; shift 2 ;;
     --timeout) timeout_min=${2:?}; shift 2 ;;
     -h|--help) usage ;;
     *) log "unknown argument '$1'"; usage ;;
@@ -74,6 +81,7 @@ while [ $# -gt 0 ]; do
 done
 [[ $timeout_min =~ ^[1-9][0-9]*$ ]] || die "--timeout takes whole minutes, not '$timeout_min'"
 [[ $procs =~ ^[1-9][0-9]?$ ]] || die "--procs takes a number of processes (1-99), not '$procs'"
+case "$nodes" in 1|2) export CLUSTERIP_NODE_WORKERS=$((nodes - 1)) ;; *) die "--nodes takes 1 or 2, not '$nodes'" ;; esac
 case "$set" in
   proxy) : "${focus:=$selection}" ;;
   conformance) : "${focus:=$selection.*\[Conformance\]}" ;;
@@ -142,7 +150,7 @@ eval "$("$builder" print-dirs)"
 "$repo/scripts/lib/build-e2e-images.sh" || die "building the e2e suite's images failed"
 # (pause is the node's sandbox image, in both configurations.)
 images=(pause)
-[ "$proxy" = clusterip ] && images+=(clusterip clusterip-agent)
+if [ "$proxy" = clusterip ]; then images+=(clusterip clusterip-agent); else images+=(kube-proxy); fi
 scripts/build-images.sh "${images[@]}" >&2 || die "building ${images[*]} failed"
 log "builds: $((SECONDS - t0))s"
 

@@ -3,7 +3,9 @@
 # kube-apiserver, kube-controller-manager, kube-scheduler, containerd (+ runc, CNI) and kubelet
 # in a network namespace of their own (and mount and pid namespaces: scripts/lib/node-init.sh),
 # with a cgroup subtree of their own. clusterip-agent (deploy/agent) is the node's Service
-# dataplane: there is no kube-proxy (CLUSTERIP_NODE_PROXY=kube-proxy runs one instead).
+# dataplane: there is no kube-proxy (CLUSTERIP_NODE_PROXY=kube-proxy runs one instead, as a
+# stock install does: the DaemonSet of tests/node/kube-proxy.yaml, applied by `up`, image
+# from scripts/build-images.sh kube-proxy).
 #
 #   scripts/node-cluster.sh up        build what is missing (cached), start the node, wait
 #                                     until the node is Ready; prints how to reach it
@@ -13,7 +15,8 @@
 #                                     controller replicas (CLUSTERIP_NODE_BACKEND=etcd, at up
 #                                     and deploy: the etcd backend, on the node's etcd)
 #   scripts/node-cluster.sh down      stop the node and remove all of it
-#   scripts/node-cluster.sh status    say what runs; exit 0 when the node is up and Ready
+#   scripts/node-cluster.sh status    say what runs; exit 0 when the node (and the worker,
+#                                     if there is one) is up and Ready
 #   scripts/node-cluster.sh reap      remove nodes whose owner is gone, and namespaces and
 #                                     cgroups of nodes whose directory is gone
 #   scripts/node-cluster.sh kubectl …   kubectl against the node (from inside its network)
@@ -26,11 +29,18 @@
 #                                     CLUSTERIP_NODE_DNS=1 (kubelet's clusterDNS)
 #   scripts/node-cluster.sh load-images [DIR]   import target/images/*.oci.tar again (after
 #                                     scripts/build-images.sh), or DIR/*.oci.tar (the e2e
-#                                     suite's images: scripts/lib/build-e2e-images.sh --load)
+#                                     suite's images: scripts/lib/build-e2e-images.sh --load),
+#                                     into every node's containerd
 #
-# Addresses (198.18.240.0/22, used by no test): the node's link 198.18.240.0/24 (node .2,
-# outside .1), pods 198.18.241.0/24 (CNI ptp + host-local), Services 198.18.242.0/24 (the
-# kube-apiserver's range) of which clusterip hands out 198.18.242.128/25.
+# CLUSTERIP_NODE_WORKERS=1 (at up; default 0) adds a worker node, clusterip-node-2: a network,
+# mount and pid namespace, containerd and kubelet (and kube-proxy with the switch) of its own,
+# state in <state>/node-2, on the same link; the first node keeps the control plane.
+#
+# Addresses (198.18.240.0/22, used by no test): the nodes' link 198.18.240.0/24 (a bridge in
+# the outside namespace: outside .1, node .2, worker .3), pods 198.18.241.0/24 (CNI ptp +
+# host-local; with a worker each node has half: node .0/25, worker .128/25, each routed to
+# the other over the link), Services 198.18.242.0/24 (the kube-apiserver's range) of which
+# clusterip hands out 198.18.242.128/25.
 #
 # Owners (scripts/lib/owners.sh): with CLUSTERIP_OWNER_PID=<pid> the node is owned by that
 # process (<state>/owner) and `reap` (this one, and every `up`) removes it once the owner is
@@ -51,6 +61,20 @@ NODE_NAME=clusterip-node
 NODE_IP=198.18.240.2
 EXT_IP=198.18.240.1
 POD_CIDR=198.18.241.0/24
+# A worker (CLUSTERIP_NODE_WORKERS=1): clusterip-node-2 at .3 of the link, and the pod network
+# cut in two /25s, one per node (as kube-controller-manager's node CIDR allocator cuts a
+# --cluster-cidr): every cluster-wide setting that names the pod network (kube-proxy's
+# clusterCIDR, the NetworkPolicy's except) stays POD_CIDR, and neither the link nor the
+# Service range is inside it. 126 addresses a node, for maxPods 60.
+WORKERS=${CLUSTERIP_NODE_WORKERS:-0}
+case "$WORKERS" in 0|1) ;; *) echo "node-cluster: CLUSTERIP_NODE_WORKERS is 0 or 1, not '$WORKERS'" >&2; exit 2 ;; esac
+WORKER_NAME=clusterip-node-2
+WORKER_IP=198.18.240.3
+if [ "$WORKERS" = 1 ]; then
+  NODE_POD_RANGE=198.18.241.0/25 WORKER_POD_RANGE=198.18.241.128/25
+else
+  NODE_POD_RANGE=$POD_CIDR WORKER_POD_RANGE=
+fi
 SERVICE_CIDR=198.18.242.0/24
 CLUSTERIP_CIDR=198.18.242.128/25
 APISERVER_VIP=198.18.242.1
@@ -64,36 +88,49 @@ PROXY=${CLUSTERIP_NODE_PROXY:-clusterip-agent}
 BACKEND=${CLUSTERIP_NODE_BACKEND:-ipaddress}
 case "$BACKEND" in ipaddress|etcd) ;; *) echo "node-cluster: CLUSTERIP_NODE_BACKEND is ipaddress or etcd, not '$BACKEND'" >&2; exit 2 ;; esac
 MEMORY_LIMIT=${CLUSTERIP_NODE_MEMORY:-6G}
+WORKER_MEMORY_LIMIT=${CLUSTERIP_NODE_WORKER_MEMORY:-4G}
 registry="${TMPDIR:-/tmp}/clusterip-nodes"
 WEBHOOK_CLIENT_NAME=kube-apiserver-webhook-client
 
 log() { echo "node-cluster: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# Names of this state dir's node: network namespaces and cgroup, from a hash of the path.
+# Names of this state dir's nodes: network namespaces and cgroups, from a hash of the path.
+# The worker's files are in <state>/node-2 (wstate): whether it exists says whether there is a
+# worker, for every command after up. Its namespace is cipnode2-<id>, not cipnode-<id>-…:
+# a reap of the one-node scripts takes any cipnode-<x>[-ext] for the node of id <x>, and
+# would remove a live worker's namespace as a node's whose directory is gone.
 node_id() { printf '%s' "$1" | sha256sum | cut -c1-8; }
-id=$(node_id "$state")
-NETNS=cipnode-$id
-EXTNS=cipnode-$id-ext
+set_names() { # state [id]
+  state=$1 id=${2:-$(node_id "$1")}
+  NETNS=cipnode-$id
+  WNETNS=cipnode2-$id
+  EXTNS=cipnode-$id-ext
+  wstate=$state/node-2
+}
+set_names "$state"
 
 in_node() { ip netns exec "$NETNS" "$@"; }
 kubectl_bin() { eval "$("$builder" print-dirs)"; echo "$K8S_BIN/kubectl"; }
 kc() { in_node "$(kubectl_bin)" --kubeconfig "$state/admin.kubeconfig" "$@"; }
 
-# The node's init: the process `unshare` forked (pid 1 of the node's pid namespace).
+# A node's init: the process `unshare` forked (pid 1 of the node's pid namespace). $1: the
+# node's dir (default: the first node's, the state dir).
 init_pid() {
-  local u c
-  u=$(cat "$state/unshare.pid" 2>/dev/null) || return 1
+  local dir=${1:-$state} u c
+  u=$(cat "$dir/unshare.pid" 2>/dev/null) || return 1
   [[ $u =~ ^[0-9]+$ ]] && pid_alive "$u" || return 1
-  tr '\0' ' ' < "/proc/$u/cmdline" | grep -qF -- "node-init.sh $state" || return 1
+  # (The trailing space: the worker's dir begins with the first node's.)
+  { tr '\0' ' ' < "/proc/$u/cmdline"; } 2>/dev/null | grep -qF -- "node-init.sh $dir " || return 1
   c=$(cat "/proc/$u/task/$u/children" 2>/dev/null | awk '{print $1}')
   [ -n "$c" ] && echo "$c"
 }
 
 # ---------------------------------------------------------------- cgroups
 # The node's cgroup: <the memory cgroup this shell is in>/clusterip-node-<id>, the same path
-# in every v1 hierarchy (kubelet's cgroupRoot names one path for all). Which directories this
-# made is recorded in <state>/cgroup-dirs, so `down` removes those and nothing else.
+# in every v1 hierarchy (kubelet's cgroupRoot names one path for all); the worker's beside it,
+# clusterip-node-<id>-2, with a limit of its own. Which directories this made is recorded in
+# <node dir>/cgroup-dirs, so `down` removes those and nothing else.
 CGROUP_ROOT=/sys/fs/cgroup
 cgroup_hierarchies() {
   local d
@@ -103,21 +140,21 @@ cgroup_hierarchies() {
     echo "$d"
   done
 }
-node_cgroup() {
+node_cgroup() { # [suffix]
   local cur; cur=$(cgroup_of memory) || cur=/
   cur=${cur%/}
-  echo "$cur/clusterip-node-$id"
+  echo "$cur/clusterip-node-$id${1:-}"
 }
-make_cgroups() {
-  local cg=$1 h p part
-  : > "$state/cgroup-dirs"
+make_cgroups() { # cgroup memory-limit node-dir
+  local cg=$1 limit=$2 dirs=$3/cgroup-dirs h p part
+  : > "$dirs"
   while IFS= read -r h; do
     p=$h
     for part in $(echo "$cg/system" | tr '/' ' '); do
       p=$p/$part
       if [ ! -d "$p" ]; then
         mkdir "$p"
-        echo "$p" >> "$state/cgroup-dirs"
+        echo "$p" >> "$dirs"
       fi
       if [ "${h##*/}" = cpuset ]; then
         [ -s "$p/cpuset.cpus" ] || cat "${p%/*}/cpuset.cpus" > "$p/cpuset.cpus"
@@ -125,20 +162,20 @@ make_cgroups() {
       fi
     done
   done < <(cgroup_hierarchies)
-  echo "$MEMORY_LIMIT" | numfmt --from=iec > "$CGROUP_ROOT/memory$cg/memory.limit_in_bytes"
+  echo "$limit" | numfmt --from=iec > "$CGROUP_ROOT/memory$cg/memory.limit_in_bytes"
 }
 # Kill what is left in the node's cgroups (pids hierarchy: every task of the node is there),
 # then remove the directories: kubelet's (kubepods/…) deepest first, then ours.
-remove_cgroups() {
-  local cg=$1 h d rc=0
+remove_cgroups() { # cgroup node-dir
+  local cg=$1 dirs=$2/cgroup-dirs h d rc=0
   [ -d "$CGROUP_ROOT/pids$cg" ] && { kill_cgroup_tree "$CGROUP_ROOT/pids$cg" "node-cluster: cgroup:" >&2 || rc=1; }
   # (kubelet and runc also make the same paths in the cgroup v2 hierarchy, empty, when it is
   # mounted beside v1 — hybrid mode.)
   while IFS= read -r h; do
     [ -d "$h$cg" ] && find "$h$cg" -depth -type d -exec rmdir {} + 2>/dev/null
   done < <(cgroup_hierarchies; [ -d "$CGROUP_ROOT/unified" ] && echo "$CGROUP_ROOT/unified")
-  if [ -f "$state/cgroup-dirs" ]; then
-    while IFS= read -r d; do [ -d "$d" ] && rmdir "$d" 2>/dev/null; done < <(tac "$state/cgroup-dirs")
+  if [ -f "$dirs" ]; then
+    while IFS= read -r d; do [ -d "$d" ] && rmdir "$d" 2>/dev/null; done < <(tac "$dirs")
   fi
   while IFS= read -r h; do [ -d "$h$cg" ] && { log "could not remove $h$cg"; rc=1; }; done < <(cgroup_hierarchies)
   return $rc
@@ -162,9 +199,15 @@ gen_pki() {
     sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "extendedKeyUsage = clientAuth\n"
     sign kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" "extendedKeyUsage = clientAuth\n"
     sign kubelet-serving "/CN=$NODE_NAME" "subjectAltName = DNS:$NODE_NAME, IP:$NODE_IP\nextendedKeyUsage = serverAuth\n"
+    # The worker's kubelet: its own identity in system:nodes (the Node authorizer and
+    # NodeRestriction let it touch its own Node and pods only) and a serving certificate
+    # for its own address (the kube-apiserver connects to it for logs and exec).
+    if [ "$WORKERS" = 1 ]; then
+      sign kubelet-2 "/O=system:nodes/CN=system:node:$WORKER_NAME" "extendedKeyUsage = clientAuth\n"
+      sign kubelet-2-serving "/CN=$WORKER_NAME" "subjectAltName = DNS:$WORKER_NAME, IP:$WORKER_IP\nextendedKeyUsage = serverAuth\n"
+    fi
     sign kube-controller-manager /CN=system:kube-controller-manager "extendedKeyUsage = clientAuth\n"
     sign kube-scheduler /CN=system:kube-scheduler "extendedKeyUsage = clientAuth\n"
-    sign kube-proxy /CN=system:kube-proxy "extendedKeyUsage = clientAuth\n"
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
     rm -f ca.srl )
@@ -175,8 +218,8 @@ gen_pki() {
     --apiserver-config-dir "$state/webhook-certs/apiserver" >/dev/null 2>"$state/logs/gen-webhook-certs.log" ||
     { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh failed"; }
 }
-kubeconfig() { # file user
-  cat > "$state/$1.kubeconfig" <<EOF
+kubeconfig() { # file user (the certificate pki/<user>.crt)
+  cat > "$1" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
@@ -192,12 +235,20 @@ current-context: node
 EOF
 }
 write_configs() {
-  local cg=$1
+  local u
+  for u in admin kubelet kube-controller-manager kube-scheduler; do kubeconfig "$state/$u.kubeconfig" "$u"; done
+}
+# One node's files, in its dir (the state dir for the first node, <state>/node-2 for the
+# worker), read by scripts/lib/node-init.sh there.
+write_node_configs() { # dir role name ip pod-range cgroup kubelet-cert logs
+  local dir=$1 role=$2 name=$3 ip=$4 pod_range=$5 cg=$6 cert=$7 logs=$8
   eval "$("$builder" print-dirs)"
-  for u in admin kubelet kube-controller-manager kube-scheduler kube-proxy; do kubeconfig "$u" "$u"; done
-  cat > "$state/node.env" <<EOF
-NODE_NAME=$NODE_NAME
-NODE_IP=$NODE_IP
+  mkdir -p "$dir"
+  cat > "$dir/node.env" <<EOF
+ROLE=$role
+LOGS=$logs
+NODE_NAME=$name
+NODE_IP=$ip
 SERVICE_CIDR=$SERVICE_CIDR
 PROXY=$PROXY
 ETCD_CLIENT_URLS=http://127.0.0.1:2379$([ "$BACKEND" = etcd ] && echo ",http://$NODE_IP:2379")
@@ -206,19 +257,19 @@ ETCD_BIN=$ETCD_BIN
 CONTAINERD_BIN=$CONTAINERD_BIN
 IMAGES_DIR=$repo/target/images
 EOF
-  mkdir -p "$state/cni/net.d" "$state/logs"
+  mkdir -p "$dir/cni/net.d" "$logs"
   # ptp, not bridge: every pod has its own veth and /32 route, so all pod traffic (pod to
   # pod too) is routed through the node's IP layer, where the Service rules are. A bridge
   # would need br_netfilter for a pod reaching another pod through a ClusterIP, and loading
   # it would change the machine's root network namespace too.
-  cat > "$state/cni/net.d/10-node.conflist" <<EOF
+  cat > "$dir/cni/net.d/10-node.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
   "name": "clusterip-node",
   "plugins": [
     {"type": "ptp", "ipMasq": false, "mtu": 1500,
      "ipam": {"type": "host-local", "dataDir": "/run/cni-ipam",
-              "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+              "ranges": [[{"subnet": "$pod_range"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
     {"type": "portmap", "capabilities": {"portMappings": true}}
   ]
 }
@@ -226,9 +277,10 @@ EOF
   # CAP_SYS_RESOURCE is bit 24 of the effective set.
   local RESTRICT_OOM=false
   (( (0x$(awk '/^CapEff/ {print $2}' /proc/self/status) >> 24) & 1 )) || RESTRICT_OOM=true
-  cat > "$state/containerd.toml" <<EOF
+  # (/run is the node's own tmpfs: the same socket and state paths on every node.)
+  cat > "$dir/containerd.toml" <<EOF
 version = 3
-root = "$state/containerd"
+root = "$dir/containerd"
 state = "/run/containerd/state"
 [grpc]
   address = "/run/containerd/containerd.sock"
@@ -251,14 +303,14 @@ state = "/run/containerd/state"
         SystemdCgroup = false
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["$CNI_BIN"]
-    conf_dir = "$state/cni/net.d"
+    conf_dir = "$dir/cni/net.d"
 [plugins."io.containerd.grpc.v1.cri"]
   disable_tcp_service = true
   stream_server_address = "127.0.0.1"
 EOF
   # kubelet on this machine: cgroup v1 only (failCgroupV1: false; v1 is in maintenance and
   # refused by default), no systemd (cgroupfs driver), a cgroup root of the node's own.
-  cat > "$state/kubelet.yaml" <<EOF
+  cat > "$dir/kubelet.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
@@ -267,12 +319,12 @@ cgroupRoot: $cg
 cgroupsPerQOS: true
 enforceNodeAllocatable: [pods]
 containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
-address: $NODE_IP
+address: $ip
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: 10248
-tlsCertFile: $state/pki/kubelet-serving.crt
-tlsPrivateKeyFile: $state/pki/kubelet-serving.key
+tlsCertFile: $state/pki/$cert-serving.crt
+tlsPrivateKeyFile: $state/pki/$cert-serving.key
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
@@ -293,42 +345,62 @@ imageGCHighThresholdPercent: 99
 imageGCLowThresholdPercent: 98
 evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
 EOF
-  cat > "$state/kube-proxy.yaml" <<EOF
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: nftables
-clientConnection: {kubeconfig: $state/kube-proxy.kubeconfig}
-clusterCIDR: $POD_CIDR
-healthzBindAddress: 0.0.0.0:10256
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {maxPerCore: 0}
-EOF
+  [ "$dir" = "$state" ] || kubeconfig "$dir/kubelet.kubeconfig" "$cert"
 }
 
 # ---------------------------------------------------------------- network namespaces
+# The nodes' link is a bridge in the outside namespace (the LAN's switch, the outside's own
+# address on it) with one veth a node; a bridge there needs no br_netfilter: no Service rule
+# lives in the outside namespace, only in the nodes', where every packet is routed.
 make_netns() {
-  ip netns add "$NETNS"
   ip netns add "$EXTNS"
-  ip link add "n$id" netns "$NETNS" type veth peer name "x$id" netns "$EXTNS"
-  in_node ip link set lo up
-  in_node ip link set "n$id" name eth0
-  in_node ip addr add "$NODE_IP/24" dev eth0
-  in_node ip link set eth0 up
-  in_node ip route add default via "$EXT_IP"
-  in_node sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.route_localnet=1
-  ip netns exec "$EXTNS" ip link set lo up
-  ip netns exec "$EXTNS" ip link set "x$id" name eth0
-  ip netns exec "$EXTNS" ip addr add "$EXT_IP/24" dev eth0
-  ip netns exec "$EXTNS" ip link set eth0 up
+  ip -n "$EXTNS" link set lo up
+  ip -n "$EXTNS" link add lan0 type bridge
+  # (Where br_netfilter is loaded, frames crossing a bridge go through the namespace's
+  # netfilter hooks; this one is a plain switch: no hooks, in this namespace only.)
+  local k
+  for k in iptables ip6tables arptables; do
+    [ ! -e "/proc/sys/net/bridge/bridge-nf-call-$k" ] ||
+      ip netns exec "$EXTNS" sysctl -qw "net.bridge.bridge-nf-call-$k=0" 2>/dev/null || true
+  done
+  ip -n "$EXTNS" addr add "$EXT_IP/24" dev lan0
+  ip -n "$EXTNS" link set lan0 up
+  attach_node "$NETNS" "$NODE_IP" "n$id" node1
+  if [ "$WORKERS" = 1 ]; then
+    attach_node "$WNETNS" "$WORKER_IP" "w$id" node2
+    # Each node's half of the pod network through the other node (kubelet's ptp routes
+    # only its own pods): pod to pod across nodes without encapsulation, as a flat L2 does.
+    ip -n "$NETNS" route add "$WORKER_POD_RANGE" via "$WORKER_IP"
+    ip -n "$WNETNS" route add "$NODE_POD_RANGE" via "$NODE_IP"
+  fi
+}
+attach_node() { # netns address veth-name port-name (in the outside namespace)
+  local ns=$1 addr=$2 veth=$3 port=$4
+  ip netns add "$ns"
+  ip link add "$veth" netns "$ns" type veth peer name "$port" netns "$EXTNS"
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set "$veth" name eth0
+  ip -n "$ns" addr add "$addr/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" route add default via "$EXT_IP"
+  ip netns exec "$ns" sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.route_localnet=1
+  ip -n "$EXTNS" link set "$port" master lan0
+  ip -n "$EXTNS" link set "$port" up
 }
 remove_netns() {
-  local ns p rc=0
-  for ns in "$NETNS" "$EXTNS"; do
+  local ns p rc=0 deadline
+  for ns in "$WNETNS" "$NETNS" "$EXTNS"; do
     [ -e "/run/netns/$ns" ] || continue
     for p in $(ip netns pids "$ns" 2>/dev/null); do
       log "netns $ns: killing $(proc_desc "$p")"; kill -KILL "$p" 2>/dev/null || true
     done
-    ip netns delete "$ns" 2>/dev/null || { log "could not delete netns $ns"; rc=1; }
+    # (The nodes' mount namespaces hold copies of these mounts; the delete can fail with
+    # EBUSY until the last of a node's processes is gone, a moment after it was killed.)
+    deadline=$((SECONDS + 10))
+    until ip netns delete "$ns" 2>/dev/null || [ ! -e "/run/netns/$ns" ]; do
+      [ $SECONDS -lt $deadline ] || { log "could not delete netns $ns"; rc=1; break; }
+      sleep 0.2
+    done
   done
   return $rc
 }
@@ -356,62 +428,111 @@ cmd_up() {
   if [ -n "${CLUSTERIP_OWNER_PID:-}" ]; then
     owner=$(owner_of "$CLUSTERIP_OWNER_PID") || die "CLUSTERIP_OWNER_PID=$CLUSTERIP_OWNER_PID: no such process"
   fi
-  if init_pid >/dev/null && node_ready; then
+  if init_pid >/dev/null && node_ready "$NODE_NAME" &&
+     if [ "$WORKERS" = 1 ]; then init_pid "$wstate" >/dev/null && node_ready "$WORKER_NAME"; else [ ! -d "$wstate" ]; fi; then
     log "already up"; return 0
   fi
   cmd_down quiet
   local started=$SECONDS
   "$builder" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl containerd cni-plugins
-  [ "$PROXY" = kube-proxy ] && "$builder" kube-proxy
-  local img
+  local img imgs=(clusterip clusterip-agent pause)
+  [ "$PROXY" = kube-proxy ] && imgs+=(kube-proxy)
   # (CLUSTERIP_NODE_BUILD_IMAGES=0: import whatever target/images holds, build nothing.)
   if [ "${CLUSTERIP_NODE_BUILD_IMAGES:-1}" != 0 ]; then
-    for img in clusterip clusterip-agent pause; do
+    for img in "${imgs[@]}"; do
       [ -f "$repo/target/images/$img.oci.tar" ] || "$repo/scripts/build-images.sh" "$img"
     done
   fi
+  [ "$PROXY" != kube-proxy ] || [ -f "$repo/target/images/kube-proxy.oci.tar" ] ||
+    die "CLUSTERIP_NODE_PROXY=kube-proxy: no target/images/kube-proxy.oci.tar (scripts/build-images.sh kube-proxy)"
   mkdir -p "$state"
   [ -z "$owner" ] || echo "$owner" > "$state/owner"
   register
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; removing the node (logs were in $state/logs)"; cp -r "$state/logs" "${TMPDIR:-/tmp}/cipnode-failed-logs" 2>/dev/null || true; cmd_down quiet; fi' EXIT
-  local cg; cg=$(node_cgroup)
+  local cg wcg=; cg=$(node_cgroup)
   echo "$cg" > "$state/cgroup"
   mkdir -p "$state/logs"
   gen_pki
-  write_configs "$cg"
+  write_configs
+  write_node_configs "$state" control-plane "$NODE_NAME" "$NODE_IP" "$NODE_POD_RANGE" "$cg" kubelet "$state/logs"
+  if [ "$WORKERS" = 1 ]; then
+    wcg=$(node_cgroup -2)
+    write_node_configs "$wstate" worker "$WORKER_NAME" "$WORKER_IP" "$WORKER_POD_RANGE" "$wcg" kubelet-2 "$state/logs/node-2"
+    echo "$wcg" > "$wstate/cgroup"
+  fi
   make_netns
-  make_cgroups "$cg"
+  make_cgroups "$cg" "$MEMORY_LIMIT" "$state"
   log "starting the node ($NETNS; cgroup $cg; memory limit $MEMORY_LIMIT)"
-  # This subshell joins the node's cgroups, then becomes `unshare`, whose child is the node's
-  # init (pid 1 of a new pid namespace, in a new mount namespace, in the node's network).
-  ( for h in $(cgroup_hierarchies); do echo $BASHPID > "$h$cg/system/cgroup.procs"; done
-    exec setsid nsenter --net="/run/netns/$NETNS" \
-      unshare --mount --propagation private --pid --fork --mount-proc --kill-child=KILL \
-      bash "$repo/scripts/lib/node-init.sh" "$state" ) > "$state/logs/node-init.log" 2>&1 < /dev/null 9>&- 8>&- &
-  echo $! > "$state/unshare.pid"
-  local deadline=$((SECONDS + 300))
-  until [ -f "$state/init-ready" ]; do
-    pid_alive "$(cat "$state/unshare.pid")" || { tail -n 20 "$state/logs/node-init.log" >&2; die "the node's init exited during start-up (logs: $state/logs)"; }
-    [ $SECONDS -lt $deadline ] || { tail -n 20 "$state/logs/node-init.log" >&2; die "the node's processes did not start in 300s"; }
-    sleep 0.5
-  done
-  log "waiting for node $NODE_NAME to be Ready"
-  deadline=$((SECONDS + 180))
-  until node_ready; do
-    init_pid >/dev/null || die "the node's init exited (logs: $state/logs)"
-    [ $SECONDS -lt $deadline ] || { tail -n 30 "$state/logs/kubelet.log" >&2; die "node not Ready after 180s (logs: $state/logs)"; }
-    sleep 1
+  start_init "$state" "$cg" "$NETNS"
+  if [ "$WORKERS" = 1 ]; then
+    make_cgroups "$wcg" "$WORKER_MEMORY_LIMIT" "$wstate"
+    log "starting the worker node $WORKER_NAME ($WNETNS; cgroup $wcg; memory limit $WORKER_MEMORY_LIMIT)"
+    start_init "$wstate" "$wcg" "$WNETNS"
+  fi
+  wait_init "$state"
+  [ "$WORKERS" = 0 ] || wait_init "$wstate"
+  local name names=("$NODE_NAME")
+  [ "$WORKERS" = 0 ] || names+=("$WORKER_NAME")
+  log "waiting for node(s) ${names[*]} to be Ready"
+  local deadline=$((SECONDS + 180))
+  for name in "${names[@]}"; do
+    until node_ready "$name"; do
+      init_pid >/dev/null || die "the node's init exited (logs: $state/logs)"
+      [ "$WORKERS" = 0 ] || init_pid "$wstate" >/dev/null || die "the worker's init exited (logs: $state/logs/node-2)"
+      [ $SECONDS -lt $deadline ] || { kc get nodes >&2 || true; die "node $name not Ready after 180s (logs: $state/logs)"; }
+      sleep 1
+    done
   done
   # (Pods can be made once the controller-manager has made the default ServiceAccount.)
   kc_until 60 get serviceaccount default || die "no ServiceAccount default/default after 60s"
+  [ "$PROXY" != kube-proxy ] || apply_kube_proxy
   trap - EXIT
-  log "up in $((SECONDS - started))s: node $NODE_NAME Ready ($PROXY as the Service proxy)"
+  log "up in $((SECONDS - started))s: node(s) ${names[*]} Ready ($PROXY as the Service proxy)"
   log "use it: scripts/node-cluster.sh kubectl get nodes   (or: ip netns exec $NETNS kubectl --kubeconfig $state/admin.kubeconfig …)"
 }
 
-node_ready() {
+# This subshell joins the node's cgroups, then becomes `unshare`, whose child is the node's
+# init (pid 1 of a new pid namespace, in a new mount namespace, in the node's network).
+start_init() { # node-dir cgroup netns
+  local dir=$1 cg=$2 ns=$3 logs
+  logs=$(sed -n 's/^LOGS=//p' "$dir/node.env")
+  ( for h in $(cgroup_hierarchies); do echo $BASHPID > "$h$cg/system/cgroup.procs"; done
+    exec setsid nsenter --net="/run/netns/$ns" \
+      unshare --mount --propagation private --pid --fork --mount-proc --kill-child=KILL \
+      bash "$repo/scripts/lib/node-init.sh" "$dir" ) > "$logs/node-init.log" 2>&1 < /dev/null 9>&- 8>&- &
+  echo $! > "$dir/unshare.pid"
+}
+wait_init() { # node-dir
+  local dir=$1 logs deadline=$((SECONDS + 300))
+  logs=$(sed -n 's/^LOGS=//p' "$dir/node.env")
+  until [ -f "$dir/init-ready" ]; do
+    pid_alive "$(cat "$dir/unshare.pid")" || { tail -n 20 "$logs/node-init.log" >&2; die "the node's init exited during start-up (logs: $logs)"; }
+    [ $SECONDS -lt $deadline ] || { tail -n 20 "$logs/node-init.log" >&2; die "the node's processes did not start in 300s (logs: $logs)"; }
+    sleep 0.5
+  done
+}
+
+node_ready() { # [node name]
   [ -f "$state/admin.kubeconfig" ] || return 1
-  kc get node "$NODE_NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+  kc get node "${1:-$NODE_NAME}" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+}
+
+# kube-proxy as a DaemonSet (tests/node/kube-proxy.yaml), Ready on every node. Its image is
+# imported into each node's containerd at start (target/images/kube-proxy.oci.tar).
+apply_kube_proxy() {
+  local image=registry.k8s.io/kube-proxy:v$K8S_VERSION nodes ready manifest
+  manifest=$(KUBE_PROXY_IMAGE=$image APISERVER=https://$NODE_IP:6443 CLUSTER_CIDR=$POD_CIDR \
+    envsubst '$KUBE_PROXY_IMAGE $APISERVER $CLUSTER_CIDR' < "$repo/tests/node/kube-proxy.yaml")
+  # (The runtime would make a missing hostPath directory on the machine's own filesystem:
+  # nftables mode loads no module, so without /lib/modules the mount is left out.)
+  [ -d /lib/modules ] || manifest=$(grep -v 'name: lib-modules' <<< "$manifest")
+  kc apply -f - <<< "$manifest" >&2
+  kc -n kube-system rollout status daemonset/kube-proxy --timeout=120s >&2 ||
+    die "kube-proxy DaemonSet not rolled out in 120s"
+  nodes=$(kc get nodes -o name | wc -l)
+  ready=$(kc -n kube-system get daemonset kube-proxy -o jsonpath='{.status.numberReady}')
+  [ "$ready" = "$nodes" ] || die "kube-proxy Ready on $ready node(s) of $nodes"
+  log "kube-proxy (DaemonSet, $image) Ready on $ready node(s)"
 }
 
 # Wait until `kubectl $@` succeeds, or fail after $1 seconds.
@@ -495,6 +616,12 @@ EOF
   kc apply -k "$overlay" -l 'app.kubernetes.io/component!=admission-registration' >&2
   log "waiting for the agent DaemonSet and the controller Deployment"
   kc -n kube-system rollout status daemonset/clusterip-agent --timeout=180s >&2
+  # (rollout status counts the pods the DaemonSet wants; with a worker that must be one a node.)
+  local nodes ready
+  nodes=$(kc get nodes -o name | wc -l)
+  ready=$(kc -n kube-system get daemonset clusterip-agent -o jsonpath='{.status.numberReady}')
+  [ "$ready" = "$nodes" ] || die "clusterip-agent Ready on $ready node(s) of $nodes"
+  log "clusterip-agent Ready on $ready of $nodes node(s)"
   kc -n clusterip-system rollout status deployment/clusterip-controller --timeout=240s >&2
   kc apply -k "$overlay" >&2
   "${certs[@]}" 2>>"$state/logs/gen-webhook-certs.log" || { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh --apply failed"; }
@@ -513,32 +640,53 @@ cmd_dns() {
 }
 
 cmd_load_images() {
-  local dir=${1:-$repo/target/images} pid img
+  local dir=${1:-$repo/target/images} pid pids=() img
   pid=$(init_pid) || die "no node running in $state"
+  pids+=("$pid")
+  if [ -d "$wstate" ]; then
+    pid=$(init_pid "$wstate") || die "the worker node's init is not running ($wstate)"
+    pids+=("$pid")
+  fi
   eval "$("$builder" print-dirs)"
   for img in "$dir"/*.oci.tar; do
     [ -f "$img" ] || die "no image archive in $dir"
-    nsenter -t "$pid" -m -n "$CONTAINERD_BIN/ctr" --address /run/containerd/containerd.sock -n k8s.io \
-      images import --no-unpack --local "$img" >&2
+    for pid in "${pids[@]}"; do
+      nsenter -t "$pid" -m -n "$CONTAINERD_BIN/ctr" --address /run/containerd/containerd.sock -n k8s.io \
+        images import --no-unpack --local "$img" >&2
+    done
   done
 }
 
-cmd_down() {
-  local pid u cg
-  if pid=$(init_pid); then
-    [ "${1:-}" = quiet ] || log "stopping the node (init pid $pid)"
+# Stop a node's init: SIGTERM (it stops its children), then SIGKILL of its `unshare` parent,
+# which kills the whole pid namespace.
+stop_init() { # node-dir [quiet]
+  local dir=$1 pid u
+  if pid=$(init_pid "$dir"); then
+    [ "${2:-}" = quiet ] || log "stopping the node in $dir (init pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 1 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   fi
-  u=$(cat "$state/unshare.pid" 2>/dev/null || true)
-  if [[ $u =~ ^[0-9]+$ ]] && { tr '\0' ' ' < "/proc/$u/cmdline"; } 2>/dev/null | grep -qF -- "node-init.sh $state"; then
+  u=$(cat "$dir/unshare.pid" 2>/dev/null || true)
+  if [[ $u =~ ^[0-9]+$ ]] && { tr '\0' ' ' < "/proc/$u/cmdline"; } 2>/dev/null | grep -qF -- "node-init.sh $dir "; then
     # (unshare leaves once its child has; killing it kills the whole pid namespace.)
     for _ in $(seq 1 50); do pid_alive "$u" || break; sleep 0.1; done
     kill -KILL "$u" 2>/dev/null || true
     for _ in $(seq 1 50); do pid_alive "$u" || break; sleep 0.1; done
   fi
+}
+
+# The worker first (its kubelet talks to the first node's apiserver), then the first node;
+# then their cgroups, the namespaces, the state dir (the worker's is inside it).
+cmd_down() {
+  local cg
+  if [ -d "$wstate" ]; then
+    stop_init "$wstate" "${1:-}"
+    cg=$(cat "$wstate/cgroup" 2>/dev/null || node_cgroup -2)
+    remove_cgroups "$cg" "$wstate" || true
+  fi
+  stop_init "$state" "${1:-}"
   cg=$(cat "$state/cgroup" 2>/dev/null || node_cgroup)
-  remove_cgroups "$cg" || true
+  remove_cgroups "$cg" "$state" || true
   remove_netns || true
   unregister
   if [ -d "$state" ]; then
@@ -548,14 +696,23 @@ cmd_down() {
   fi
 }
 
+node_status() { # node-dir name: one node's init, processes and Ready condition
+  local dir=$1 name=$2 pid ok=0 pname npid
+  if pid=$(init_pid "$dir"); then echo "$name init: running (pid $pid)"
+  else echo "$name init: not running"; return 2; fi
+  while read -r pname npid; do
+    if nsenter -t "$pid" -p -m -- kill -0 "$npid" 2>/dev/null; then echo "$name $pname: running"; else echo "$name $pname: not running"; ok=1; fi
+  done < "$dir/node-pids"
+  if node_ready "$name"; then echo "node $name: Ready"; else echo "node $name: NOT Ready"; ok=1; fi
+  return $ok
+}
+
 cmd_status() {
-  local pid ok=0
-  if pid=$(init_pid); then echo "node init: running (pid $pid), netns $NETNS"
-  else echo "node init: not running"; return 1; fi
-  while read -r name npid; do
-    if nsenter -t "$pid" -p -m -- kill -0 "$npid" 2>/dev/null; then echo "$name: running"; else echo "$name: not running"; ok=1; fi
-  done < "$state/node-pids"
-  if node_ready; then echo "node $NODE_NAME: Ready"; else echo "node $NODE_NAME: NOT Ready"; ok=1; fi
+  local ok=0
+  echo "netns $NETNS$([ -d "$wstate" ] && echo ", worker $WNETNS"), outside $EXTNS"
+  node_status "$state" "$NODE_NAME" || ok=$?
+  [ "$ok" = 2 ] && return 1
+  if [ -d "$wstate" ]; then node_status "$wstate" "$WORKER_NAME" || ok=1; fi
   if [ -f "$state/owner" ]; then
     local opid ostart; read -r opid ostart < "$state/owner"
     if owner_alive "$opid" "$ostart"; then echo "owner: pid $opid (running)"; else echo "owner: pid $opid (gone: 'reap' removes this node)"; ok=1; fi
@@ -574,17 +731,17 @@ cmd_reap() {
     live+="$(node_id "$d") "
     [ -f "$d/owner" ] || continue
     owner_file_alive "$d/owner" && continue
-    ( state=$d; id=$(node_id "$d"); NETNS=cipnode-$id; EXTNS=cipnode-$id-ext
+    ( set_names "$d"
       cmd_down quiet
       echo "reap: removed node $d (owner gone)" )
     live=${live/ $(node_id "$d") / }
   done
-  for ns in /run/netns/cipnode-*; do
+  for ns in /run/netns/cipnode-* /run/netns/cipnode2-*; do
     [ -e "$ns" ] || continue
-    # (cipnode-<id>, cipnode-<id>-ext, and any other cipnode-<id>-<name> a node makes.)
-    nid=${ns##*/cipnode-}; nid=${nid%%-*}
+    # (cipnode-<id>, cipnode-<id>-ext, the worker's cipnode2-<id>, and any cipnode-<id>-<name>.)
+    nid=${ns##*/cipnode-}; nid=${nid##*/cipnode2-}; nid=${nid%%-*}
     [[ $live == *" $nid "* ]] && continue
-    ( id=$nid; NETNS=cipnode-$id; EXTNS=cipnode-$id-ext; state=/nonexistent
+    ( set_names /nonexistent "$nid"
       remove_netns && echo "reap: removed netns ${ns##*/} (its node is gone)" )
   done
   [ -f "$registry" ] && unregister_missing

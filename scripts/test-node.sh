@@ -7,6 +7,8 @@
 #
 #   scripts/test-node.sh            all checks; prints "ok/not ok" lines and "N passed, N failed"
 #   CLUSTERIP_NODE_KEEP=1 …         leave the node up at the end (its dir is printed)
+#   CLUSTERIP_NODE_WORKERS=1 …      two nodes (scripts/node-cluster.sh's worker), and the
+#                                   two-nodes check; the default is one node
 #
 # Checks:
 #   deploy      2 controller replicas Ready, a leader, the agent Ready; the webhook called by
@@ -14,6 +16,9 @@
 #   workload    a Deployment serving HTTP and UDP behind a NodePort Service: its ClusterIP is
 #               clusterip's (range, IPAddress with parentRef); a client pod reaches it by VIP
 #               (HTTP, UDP); the NodePort answers from outside the node's namespace
+#   two-nodes   (CLUSTERIP_NODE_WORKERS=1 only) a pod on each node reaches, by ClusterIP, a
+#               Service whose only endpoint is a pod on the other node; both NodePorts answer
+#               from outside on both nodes' addresses
 #   scaling     3 replicas: all three answer through the VIP; 1 replica: only that one does
 #   release     deleting the Service releases its address: a new Service gets it
 #   rbac        kubectl auth can-i as each ServiceAccount: every permission used is granted,
@@ -31,6 +36,8 @@ cd "$repo"
 node=$repo/scripts/node-cluster.sh
 ns=node-test
 NODE_IP=198.18.240.2
+WORKER_IP=198.18.240.3
+WORKERS=${CLUSTERIP_NODE_WORKERS:-0}
 passed=0 failed=0
 started=$SECONDS
 deadline=$((SECONDS + ${CLUSTERIP_NODE_TEST_TIMEOUT:-1800}))
@@ -179,6 +186,69 @@ check_workload() {
   log "ClusterIP $vip (IPAddress → services/$ns/web): HTTP and UDP from a pod; NodePort $np from outside the node"
 }
 
+# Two nodes: per node a server pod and a client pod pinned to it (nodeName), and a NodePort
+# Service per server. Each client reaches the other node's server by its Service's ClusterIP
+# (the client's node's agent DNATs, the nodes' routes carry it across, the reply comes back
+# through the same node); the outside reaches both Services on both nodes' addresses.
+check_two_nodes() {
+  local n name
+  for n in 1 2; do
+    name=clusterip-node; [ $n = 1 ] || name=clusterip-node-$n
+    k apply -f - >/dev/null <<EOF || return 1
+apiVersion: v1
+kind: Pod
+metadata: {name: node$n-web, namespace: $ns, labels: {app: node$n-web}}
+spec:
+  nodeName: $name
+  terminationGracePeriodSeconds: 0
+  containers:
+  - name: serve
+    image: clusterip-node-test:dev
+    imagePullPolicy: Never
+    ports: [{containerPort: 8080, protocol: TCP}]
+    readinessProbe: {tcpSocket: {port: 8080}, periodSeconds: 1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: node$n-client, namespace: $ns}
+spec:
+  nodeName: $name
+  terminationGracePeriodSeconds: 0
+  containers:
+  - {name: client, image: clusterip-node-test:dev, imagePullPolicy: Never, command: [sleep, infinity]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: node$n-web, namespace: $ns}
+spec:
+  type: NodePort
+  selector: {app: node$n-web}
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+EOF
+  done
+  k -n "$ns" wait --for=condition=Ready pod/node1-web pod/node1-client pod/node2-web pod/node2-client --timeout=120s >&2 || return 1
+  local from to v out np ip
+  for from in 1 2; do
+    to=$((3 - from))
+    v=$(k -n "$ns" get service "node$to-web" -o jsonpath='{.spec.clusterIP}')
+    until_ok 30 timeout 15 "$node" kubectl -n "$ns" exec "node$from-client" -- curl -sS --max-time 3 "http://$v/" || return 1
+    out=$(timeout 15 "$node" kubectl -n "$ns" exec "node$from-client" -- curl -sS --max-time 3 "http://$v/")
+    [ "$out" = "http node$to-web" ] || { log "node $from's client via $v (node$to-web): '$out'"; return 1; }
+    log "node $from's client → $v → node$to-web on node $to: '$out'"
+  done
+  for to in 1 2; do
+    np=$(k -n "$ns" get service "node$to-web" -o jsonpath='{.spec.ports[0].nodePort}')
+    for ip in "$NODE_IP" "$WORKER_IP"; do
+      until_ok 30 "$node" ext curl -sS --max-time 3 "http://$ip:$np/" || return 1
+      out=$("$node" ext curl -sS --max-time 3 "http://$ip:$np/")
+      [ "$out" = "http node$to-web" ] || { log "NodePort $ip:$np (node$to-web) from outside: '$out'"; return 1; }
+    done
+    log "NodePort $np (node$to-web): answers from outside on $NODE_IP and $WORKER_IP"
+  done
+  k -n "$ns" delete service node1-web node2-web >/dev/null
+  k -n "$ns" delete pod node1-web node2-web node1-client node2-client --wait=false >/dev/null
+}
+
 # The names that answer through the VIP in N requests, sorted, one line.
 answering() {
   local i
@@ -234,7 +304,7 @@ check_rbac() {
   local c=clusterip-system:clusterip-controller a=kube-system:clusterip-agent v
   # The pods run as deploy/'s ServiceAccounts.
   [ "$(k -n clusterip-system get pods -l app.kubernetes.io/name=clusterip-controller -o jsonpath='{.items[*].spec.serviceAccountName}')" = "clusterip-controller clusterip-controller" ] || { log "controller pods' ServiceAccount"; rbac_bad=1; }
-  [ "$(k -n kube-system get pods -l app.kubernetes.io/name=clusterip-agent -o jsonpath='{.items[*].spec.serviceAccountName}')" = "clusterip-agent" ] || { log "agent pod's ServiceAccount"; rbac_bad=1; }
+  [ "$(k -n kube-system get pods -l app.kubernetes.io/name=clusterip-agent -o jsonpath='{range .items[*]}{.spec.serviceAccountName}{"\n"}{end}' | sort -u)" = "clusterip-agent" ] || { log "agent pods' ServiceAccount"; rbac_bad=1; }
   # The controller: what it uses …
   for v in get list watch; do expect yes $c "$ns" $v services; done
   for v in get list watch patch; do expect yes $c default $v servicecidrs.networking.k8s.io; done
@@ -317,6 +387,8 @@ check_restart() {
 
 check "deploy: kubectl apply -k deploy/, 2 controller replicas Ready, agent programs the webhook's ClusterIP" check_deploy
 check "workload: ClusterIP from clusterip's range, HTTP+UDP by VIP from a pod, NodePort from outside" check_workload
+[ "$WORKERS" = 1 ] &&
+  check "two-nodes: a pod on each node reaches the other node's pod by ClusterIP; NodePorts on both nodes from outside" check_two_nodes
 check "scaling changes the endpoints the VIP reaches" check_scaling
 check "deleting a Service releases its address" check_release
 check "rbac: kubectl auth can-i as the ServiceAccounts: what is used, nothing beyond" check_rbac

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The init process (pid 1) of a one-node cluster made by scripts/node-cluster.sh: it runs
-# inside the node's network namespace, in a mount and a pid namespace of its own, and starts
-# the node's processes as its children. When it exits (SIGTERM: `down`; or its parent
+# The init process (pid 1) of a node made by scripts/node-cluster.sh: it runs inside the
+# node's network namespace, in a mount and a pid namespace of its own, and starts the node's
+# processes as its children: the control plane, containerd and kubelet on the first node
+# (ROLE=control-plane), containerd and kubelet only on a worker (ROLE=worker). When it exits (SIGTERM: `down`; or its parent
 # `unshare` is killed), the kernel kills every process of the pid namespace, the mounts made
 # here vanish with the mount namespace, and the pods' network namespaces with them.
 #
-#   node-init.sh STATE_DIR        (never run by hand: scripts/node-cluster.sh up)
+#   node-init.sh NODE_DIR         (never run by hand: scripts/node-cluster.sh up)
+#
+# NODE_DIR holds the node's node.env, containerd.toml, kubelet.yaml, kubelet.kubeconfig, and
+# gets its containerd root, kubelet root and node-pids: the state dir
+# itself for the first node, <state>/node-2 for the worker.
 #
 # Private to the node (mounted here, gone with it): /run (containerd's sockets and state,
 # the pods' network namespaces, xtables.lock), /var/lib (CNI's cache) and /var/log (pod
@@ -14,7 +19,9 @@ set -uo pipefail
 state=$1
 # shellcheck source=/dev/null
 . "$state/node.env"
-logs=$state/logs
+ROLE=${ROLE:-control-plane}
+logs=${LOGS:-$state/logs}
+mkdir -p "$logs"
 children=()
 
 log() { echo "node-init: $(date -u +%T) $*"; }
@@ -74,44 +81,48 @@ done
 : > "$state/node-pids"
 
 # ---------------------------------------------------------------- control plane
-spawn etcd "$ETCD_BIN/etcd" --name node --data-dir "$state/etcd" \
-  --listen-client-urls "$ETCD_CLIENT_URLS" --advertise-client-urls http://127.0.0.1:2379 \
-  --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
-  --initial-cluster node=http://127.0.0.1:2380 --listen-metrics-urls http://127.0.0.1:2381 \
-  --quota-backend-bytes 2147483648 --log-level warn
-wait_for etcd 60 curl -fsS http://127.0.0.1:2381/health || stop_all
+start_control_plane() {
+  spawn etcd "$ETCD_BIN/etcd" --name node --data-dir "$state/etcd" \
+    --listen-client-urls "$ETCD_CLIENT_URLS" --advertise-client-urls http://127.0.0.1:2379 \
+    --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+    --initial-cluster node=http://127.0.0.1:2380 --listen-metrics-urls http://127.0.0.1:2381 \
+    --quota-backend-bytes 2147483648 --log-level warn
+  wait_for etcd 60 curl -fsS http://127.0.0.1:2381/health || stop_all
 
-pki=$state/pki
-spawn kube-apiserver "$K8S_BIN/kube-apiserver" \
-  --etcd-servers http://127.0.0.1:2379 \
-  --bind-address 0.0.0.0 --advertise-address "$NODE_IP" --secure-port 6443 \
-  --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
-  --client-ca-file "$pki/ca.crt" \
-  --kubelet-client-certificate "$pki/apiserver-kubelet-client.crt" --kubelet-client-key "$pki/apiserver-kubelet-client.key" \
-  --kubelet-preferred-address-types InternalIP \
-  --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
-  --service-account-issuer https://kubernetes.default.svc.cluster.local \
-  --service-cluster-ip-range "$SERVICE_CIDR" --service-node-port-range 30000-32767 \
-  --authorization-mode Node,RBAC --allow-privileged \
-  --enable-admission-plugins NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
-  --admission-control-config-file "$state/webhook-certs/apiserver/admission-config.yaml" \
-  --profiling=false --v 1
-wait_for kube-apiserver 180 curl -fsS --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" "https://$NODE_IP:6443/readyz" || stop_all
+  pki=$state/pki
+  spawn kube-apiserver "$K8S_BIN/kube-apiserver" \
+    --etcd-servers http://127.0.0.1:2379 \
+    --bind-address 0.0.0.0 --advertise-address "$NODE_IP" --secure-port 6443 \
+    --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
+    --client-ca-file "$pki/ca.crt" \
+    --kubelet-client-certificate "$pki/apiserver-kubelet-client.crt" --kubelet-client-key "$pki/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types InternalIP \
+    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --service-cluster-ip-range "$SERVICE_CIDR" --service-node-port-range 30000-32767 \
+    --authorization-mode Node,RBAC --allow-privileged \
+    --enable-admission-plugins NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
+    --admission-control-config-file "$state/webhook-certs/apiserver/admission-config.yaml" \
+    --profiling=false --v 1
+  wait_for kube-apiserver 180 curl -fsS --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" "https://$NODE_IP:6443/readyz" || stop_all
 
-spawn kube-controller-manager "$K8S_BIN/kube-controller-manager" \
-  --kubeconfig "$state/kube-controller-manager.kubeconfig" \
-  --authentication-kubeconfig "$state/kube-controller-manager.kubeconfig" \
-  --authorization-kubeconfig "$state/kube-controller-manager.kubeconfig" \
-  --bind-address 127.0.0.1 --secure-port 10257 --leader-elect=false \
-  --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
-  --use-service-account-credentials --service-cluster-ip-range "$SERVICE_CIDR" \
-  --cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
-  --profiling=false --v 1
-spawn kube-scheduler "$K8S_BIN/kube-scheduler" \
-  --kubeconfig "$state/kube-scheduler.kubeconfig" \
-  --authentication-kubeconfig "$state/kube-scheduler.kubeconfig" \
-  --authorization-kubeconfig "$state/kube-scheduler.kubeconfig" \
-  --bind-address 127.0.0.1 --secure-port 10259 --leader-elect=false --profiling=false --v 1
+  spawn kube-controller-manager "$K8S_BIN/kube-controller-manager" \
+    --kubeconfig "$state/kube-controller-manager.kubeconfig" \
+    --authentication-kubeconfig "$state/kube-controller-manager.kubeconfig" \
+    --authorization-kubeconfig "$state/kube-controller-manager.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port 10257 --leader-elect=false \
+    --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
+    --use-service-account-credentials --service-cluster-ip-range "$SERVICE_CIDR" \
+    --cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
+    --profiling=false --v 1
+  spawn kube-scheduler "$K8S_BIN/kube-scheduler" \
+    --kubeconfig "$state/kube-scheduler.kubeconfig" \
+    --authentication-kubeconfig "$state/kube-scheduler.kubeconfig" \
+    --authorization-kubeconfig "$state/kube-scheduler.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port 10259 --leader-elect=false --profiling=false --v 1
+}
+# (A worker's kubelet reaches the first node's kube-apiserver over the nodes' link.)
+[ "$ROLE" = worker ] || start_control_plane
 
 # ---------------------------------------------------------------- container runtime
 spawn containerd "$CONTAINERD_BIN/containerd" --config "$state/containerd.toml"
@@ -123,13 +134,11 @@ for img in "$IMAGES_DIR"/*.oci.tar; do
     log "error: could not import ${img##*/} (log: $logs/images.log)"
 done
 
-# ---------------------------------------------------------------- kubelet (and kube-proxy)
+# ---------------------------------------------------------------- kubelet
+# (kube-proxy, with CLUSTERIP_NODE_PROXY=kube-proxy, is a DaemonSet: node-cluster.sh applies it.)
 spawn kubelet "$K8S_BIN/kubelet" --config "$state/kubelet.yaml" \
   --kubeconfig "$state/kubelet.kubeconfig" --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" \
   --root-dir "$state/kubelet" --v 1
-if [ "$PROXY" = kube-proxy ]; then
-  spawn kube-proxy "$K8S_BIN/kube-proxy" --config "$state/kube-proxy.yaml" --hostname-override "$NODE_NAME" --v 1
-fi
 echo ready > "$state/init-ready"
 log "all started"
 

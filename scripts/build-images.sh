@@ -132,6 +132,10 @@ make_rust_image() {
   bh commit --quiet --rm "$ctr" "$rust_image" >/dev/null
 }
 
+# The commit the binaries report (--version, *_build_info): the Containerfiles' build context
+# holds no .git (build.rs reads CLUSTERIP_COMMIT instead).
+commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
+
 # Build a Containerfile unchanged (its defaults name the images made above; the Rust image's
 # tag follows this machine's rustc). Host network: apt and cargo inside reach Debian's
 # mirrors and crates.io as this machine does, without a container network to set up.
@@ -140,6 +144,7 @@ build_containerfile() {
   log "building $image from $file"
   bh build --quiet --layers --pull=never --network host --isolation chroot \
     --build-arg RUST_IMAGE="$rust_image" --build-arg BASE_IMAGE="$debian_image" \
+    --build-arg CLUSTERIP_COMMIT="$commit" \
     -f "$repo/$file" -t "$image" "$context" >/dev/null
   log "built $image in $((SECONDS - started))s"
 }

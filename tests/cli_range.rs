@@ -42,3 +42,19 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         assert!(!err.contains("panicked"), "{bad}: {err}");
     }
 }
+
+/// `--version` names the commit (build.rs: `CLUSTERIP_COMMIT`, else git, else "unknown"),
+/// the same as the `clusterip_build_info` metric.
+#[test]
+fn version_names_the_commit() {
+    let out = clusterip(&["--version"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.trim(), format!("clusterip {} (commit {})", clusterip::metrics::VERSION, clusterip::metrics::COMMIT));
+    let head = Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(env!("CARGO_MANIFEST_DIR")).output();
+    if let (Ok(head), Err(_)) = (head, std::env::var("CLUSTERIP_COMMIT")) {
+        if head.status.success() {
+            assert_eq!(clusterip::metrics::COMMIT, String::from_utf8_lossy(&head.stdout).trim(), "built from a git checkout");
+        }
+    }
+}

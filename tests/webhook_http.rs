@@ -230,6 +230,26 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
     ] {
         assert!(metrics.contains(&format!("# TYPE {name}")) || metrics.contains(&format!("# TYPE {}", name.trim_end_matches("_total"))), "{name} missing from /metrics:\n{metrics}");
     }
+    // The process, as every Prometheus client reports it, and the build it runs.
+    for series in ["process_resident_memory_bytes ", "process_cpu_seconds_total ", "process_open_fds ", "process_start_time_seconds ", "process_max_fds "] {
+        let value = metrics.lines().find_map(|l| l.strip_prefix(series)).and_then(|v| v.parse::<f64>().ok());
+        assert!(value.is_some_and(|v| v > 0.0), "{series}: {value:?} in\n{metrics}");
+    }
+    let build_info = format!("\nclusterip_build_info{{version=\"{}\",commit=\"{}\"}} 1\n", clusterip::metrics::VERSION, clusterip::metrics::COMMIT);
+    assert!(metrics.contains(&build_info), "{build_info} missing from /metrics:\n{metrics}");
+    // Counters whose label values are known are there at 0 before anything happened (the
+    // alerts' increase() sees the first error).
+    for series in [
+        "clusterip_repair_ip_errors_total{type=\"leak\"} 0",
+        "clusterip_repair_ip_errors_total{type=\"duplicate\"} 0",
+        "clusterip_reconcile_errors_total{controller=\"service\"} 0",
+        "clusterip_webhook_refused_connections_total{reason=\"client_certificate\"} 0",
+        "clusterip_webhook_released_addresses_total{reason=\"in_flight_limit\"} 0",
+        "clusterip_http_refused_connections_total{server=\"health\",reason=\"evicted\"} 0",
+        "clusterip_allocator_allocation_errors_total{cidr=\"198.18.",
+    ] {
+        assert!(metrics.contains(series), "{series} missing from /metrics:\n{metrics}");
+    }
 }
 
 /// Only the kube-apiserver makes admission act: a request without a client certificate,

@@ -34,7 +34,7 @@ pub enum Mode {
 /// Services and EndpointSlices, like kube-proxy (nftables by default, iptables with
 /// --mode iptables).
 #[derive(Debug, Parser)]
-#[command(name = "clusterip-agent", version, about, long_about = None)]
+#[command(name = "clusterip-agent", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("CLUSTERIP_BUILD_COMMIT"), ")"), about, long_about = None)]
 pub struct Args {
     /// Kubeconfig to reach the API server. Without it: in-cluster config, then $KUBECONFIG / ~/.kube/config.
     #[arg(long, env = "KUBECONFIG")]

@@ -1,5 +1,6 @@
 //! Prometheus metrics, named like kube-proxy's (`kubeproxy_sync_proxy_rules_…`) under the
-//! prefix `clusterip_agent_`.
+//! prefix `clusterip_agent_`; besides them `clusterip_agent_build_info{version,commit}` (always
+//! 1) and the convention's unprefixed `process_*` metrics ([`clusterip_process_metrics`]).
 
 #![forbid(unsafe_code)]
 
@@ -22,9 +23,22 @@ pub struct CodeLabel {
     pub code: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildInfoLabels {
+    pub version: &'static str,
+    pub commit: &'static str,
+}
+
+/// The version of this build (Cargo's) and the commit it was built from (build.rs:
+/// `CLUSTERIP_COMMIT`, else `git rev-parse --short HEAD`, else "unknown").
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+pub const COMMIT: &str = env!("CLUSTERIP_BUILD_COMMIT");
+
 /// All metrics of the agent.
 pub struct Metrics {
     registry: Registry,
+    /// The unprefixed `process_*` metrics.
+    process: Registry,
     pub sync_duration: Histogram,
     pub sync_full_duration: Histogram,
     pub sync_partial_duration: Histogram,
@@ -42,6 +56,7 @@ pub struct Metrics {
     pub service_ports: Gauge,
     pub healthz: Family<CodeLabel, Counter>,
     pub livez: Family<CodeLabel, Counter>,
+    pub build_info: Family<BuildInfoLabels, Gauge>,
 }
 
 fn programming_buckets() -> Vec<f64> {
@@ -86,7 +101,9 @@ impl Metrics {
             service_ports: Gauge::default(),
             healthz: Family::default(),
             livez: Family::default(),
+            build_info: Family::default(),
             registry: Registry::default(),
+            process: Registry::default(),
         };
         registry.register("sync_proxy_rules_duration_seconds", "Duration of a sync (full or partial)", m.sync_duration.clone());
         registry.register("sync_full_proxy_rules_duration_seconds", "Duration of a full sync", m.sync_full_duration.clone());
@@ -129,7 +146,15 @@ impl Metrics {
         registry.register("service_ports", "Service ports known", m.service_ports.clone());
         registry.register("proxy_healthz", "/healthz answers by HTTP code", m.healthz.clone());
         registry.register("proxy_livez", "/livez answers by HTTP code", m.livez.clone());
-        Metrics { registry, ..m }
+        registry.register(
+            "build_info",
+            "A metric with a constant '1' value labeled by the version and the commit clusterip-agent was built from",
+            m.build_info.clone(),
+        );
+        m.build_info.get_or_create(&BuildInfoLabels { version: VERSION, commit: COMMIT }).set(1);
+        let mut process = Registry::default();
+        clusterip_process_metrics::register(&mut process);
+        Metrics { registry, process, ..m }
     }
 
     /// The conntrack flusher's share.
@@ -143,10 +168,12 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn encode(&self) -> String {
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
         let mut s = String::new();
-        if prometheus_client::encoding::text::encode(&mut s, &self.registry).is_err() {
-            s.clear();
-        }
+        // Writing into a String cannot fail.
+        let _ = encode_registry(&mut s, &self.registry);
+        let _ = encode_registry(&mut s, &self.process);
+        let _ = encode_eof(&mut s);
         s
     }
 }
@@ -165,5 +192,12 @@ mod tests {
         assert!(text.contains("clusterip_agent_sync_proxy_rules_failures_total 1"), "{text}");
         assert!(text.contains("clusterip_agent_sync_full_proxy_rules_duration_seconds_count 1"), "{text}");
         assert!(text.contains("clusterip_agent_sync_proxy_rules_programmed{kind=\"chains\"} 7"), "{text}");
+        let build_info = format!("\nclusterip_agent_build_info{{version=\"{VERSION}\",commit=\"{COMMIT}\"}} 1\n");
+        assert!(text.contains(&build_info), "{text}");
+        for name in ["process_resident_memory_bytes ", "process_cpu_seconds_total ", "process_open_fds ", "process_start_time_seconds "] {
+            assert!(text.contains(&format!("\n{name}")), "{name}: {text}");
+        }
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

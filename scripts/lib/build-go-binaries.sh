@@ -11,9 +11,15 @@
 #                                   (scripts/conformance.sh, scripts/lib/build-e2e-images.sh)
 #   scripts/lib/build-go-binaries.sh ginkgo   the ginkgo CLI at the version the e2e suite links
 #                                   (runs e2e.test in parallel: scripts/conformance.sh --procs)
+#   scripts/lib/build-go-binaries.sh prometheus|promtool   Prometheus v3 and its rule tester
+#                                   (scripts/test-monitoring.sh), without the web UI's assets
+#   scripts/lib/build-go-binaries.sh prometheus-operator-crds   the operator's CRDs (ServiceMonitor,
+#                                   PodMonitor, PrometheusRule, …) from its Go module, into
+#                                   PROMETHEUS_OPERATOR_CRDS (the dry-run of deploy/monitoring)
 #   scripts/lib/build-go-binaries.sh k8s-module     the wrapper module's directory, on stdout
 #   scripts/lib/build-go-binaries.sh print-dirs     K8S_BIN=…, ETCD_BIN=…, CONTAINERD_BIN=…,
-#                                                   CNI_BIN=…, PAUSE_BIN=… and COREDNS_BIN=… lines
+#                                                   CNI_BIN=…, PAUSE_BIN=…, COREDNS_BIN=…,
+#                                                   PROMETHEUS_BIN=… and PROMETHEUS_OPERATOR_CRDS=… lines
 #
 # Prints nothing but progress on stderr; the binaries land in the K8S_BIN / ETCD_BIN dirs.
 # CLUSTERIP_CACHE overrides the cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/clusterip).
@@ -34,6 +40,8 @@ containerd_dir="$cache_root/containerd-v$CONTAINERD_VERSION"
 cni_dir="$cache_root/cni-plugins-v$CNI_PLUGINS_VERSION"
 pause_dir="$cache_root/pause-v$K8S_VERSION"
 coredns_dir="$cache_root/coredns-v$COREDNS_VERSION"
+prometheus_dir="$cache_root/prometheus-v$PROMETHEUS_VERSION"
+operator_dir="$cache_root/prometheus-operator-v$PROMETHEUS_OPERATOR_VERSION"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
 log() { echo "build-go-binaries: $*" >&2; }
@@ -357,6 +365,69 @@ GO
   mv "$out.tmp" "$out"
 }
 
+# Prometheus v3 and promtool from github.com/prometheus/prometheus, whose Go module versions
+# for Prometheus 3.x.y are v0.3xx.y (3.9.1 is v0.309.1). Built without the `builtinassets` tag:
+# the web UI's compiled assets are made by npm and are not in the Go module, so the server
+# answers its HTTP API (all the tests use) and no UI pages.
+build_prometheus() {
+  local out="$prometheus_dir/bin"
+  [ -x "$out/prometheus" ] && [ -x "$out/promtool" ] && return 0
+  lock_cache
+  [ -x "$out/prometheus" ] && [ -x "$out/promtool" ] && return 0
+  local major=${PROMETHEUS_VERSION%%.*} rest=${PROMETHEUS_VERSION#*.}
+  local modv="v0.$((major * 100 + ${rest%%.*})).${rest#*.}"
+  local mod="$prometheus_dir/src" c
+  rm -rf "$mod"; mkdir -p "$mod" "$out"
+  ( cd "$mod"
+    cat > go.mod <<MOD
+module clusterip.local/prometheusbuild
+
+go 1.26
+
+require github.com/prometheus/prometheus $modv
+MOD
+    cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "github.com/prometheus/prometheus/cmd/prometheus"
+	_ "github.com/prometheus/prometheus/cmd/promtool"
+)
+GO
+    log "building Prometheus v$PROMETHEUS_VERSION ($modv) and promtool from Go modules (cached in $prometheus_dir)"
+    go mod tidy >&2
+    for c in prometheus promtool; do
+      go build -trimpath -ldflags "-s -w \
+          -X github.com/prometheus/common/version.Version=$PROMETHEUS_VERSION \
+          -X github.com/prometheus/common/version.Branch=$modv" \
+        -o "$out/$c.tmp" "github.com/prometheus/prometheus/cmd/$c" >&2
+      mv "$out/$c.tmp" "$out/$c"
+    done
+  )
+}
+
+# The prometheus-operator's CRDs (example/prometheus-operator-crd/ of its Go module), copied
+# out of the module cache.
+fetch_prometheus_operator_crds() {
+  local out="$operator_dir/crds"
+  [ -f "$out/.ready" ] && return 0
+  lock_cache
+  [ -f "$out/.ready" ] && return 0
+  local dir
+  mkdir -p "$operator_dir/mod"
+  log "fetching prometheus-operator v$PROMETHEUS_OPERATOR_VERSION's CRDs from its Go module"
+  dir=$(cd "$operator_dir/mod" && go mod download -json \
+    "github.com/prometheus-operator/prometheus-operator@v$PROMETHEUS_OPERATOR_VERSION" |
+    sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+  [ -d "$dir/example/prometheus-operator-crd" ] || { log "no example/prometheus-operator-crd in '$dir'"; exit 1; }
+  rm -rf "$out"; mkdir -p "$out"
+  cp "$dir"/example/prometheus-operator-crd/*.yaml "$out/"
+  chmod u+w "$out"/*.yaml
+  touch "$out/.ready"
+}
+
 # Kubernetes' pause (build/pause/linux/pause.c of the same release), compiled static with the
 # machine's C compiler; scripts/build-images.sh wraps it into the pause image.
 build_pause() {
@@ -380,6 +451,8 @@ for what in "$@"; do
     cni-plugins) build_cni_plugins ;;
     pause) build_pause ;;
     coredns) build_coredns ;;
+    prometheus|promtool) build_prometheus ;;
+    prometheus-operator-crds) fetch_prometheus_operator_crds ;;
     ipallocbench) build_ipallocbench ;;
     e2e.test) build_e2e_test ;;
     agnhost) build_agnhost ;;
@@ -389,7 +462,8 @@ for what in "$@"; do
     k8s-e2e-module) k8s_e2e_module ;;
     print-dirs) echo "K8S_BIN=$k8s_dir/bin"; echo "ETCD_BIN=$etcd_dir/bin"
       echo "CONTAINERD_BIN=$containerd_dir/bin"; echo "CNI_BIN=$cni_dir/bin"; echo "PAUSE_BIN=$pause_dir/bin"
-      echo "COREDNS_BIN=$coredns_dir/bin" ;;
+      echo "COREDNS_BIN=$coredns_dir/bin"; echo "PROMETHEUS_BIN=$prometheus_dir/bin"
+      echo "PROMETHEUS_OPERATOR_CRDS=$operator_dir/crds" ;;
     *) echo "build-go-binaries: unknown binary '$what'" >&2; exit 2 ;;
   esac
 done

@@ -14,7 +14,7 @@ use crate::telemetry::LogFormat;
 /// clusterip: allocates Service ClusterIPs from service CIDRs, records them durably,
 /// answers the admission path and repairs drift.
 #[derive(Debug, Parser)]
-#[command(name = "clusterip", version, about, long_about = None, propagate_version = true)]
+#[command(name = "clusterip", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("CLUSTERIP_BUILD_COMMIT"), ")"), about, long_about = None, propagate_version = true)]
 pub struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "CLUSTERIP_LOG_FORMAT")]

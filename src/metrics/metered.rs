@@ -23,6 +23,9 @@ pub struct MeteredStore {
 
 impl MeteredStore {
     pub fn new(inner: Arc<dyn AllocationStore>, metrics: Arc<Metrics>) -> Self {
+        for cidr in inner.ranges() {
+            metrics.report_range_at_zero(&cidr.to_string());
+        }
         Self { inner, metrics, recorded: None }
     }
 

@@ -22,6 +22,12 @@
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
 //! | `clusterip_repair_reconcile_errors_total` | counter | |
 //! | `leader_election_master_status` | gauge | name (the leader Lease): 1 while this replica leads and runs the reconcilers, else 0 — Kubernetes' own name, unprefixed, as client-go reports it |
+//! | `clusterip_build_info` | gauge | version, commit: always 1 (the `--version` of the binary) |
+//! | `process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_virtual_memory_bytes`, `process_start_time_seconds`, `process_open_fds`, `process_max_fds` | | the convention's own names, unprefixed ([`clusterip_process_metrics`]) |
+//!
+//! Counters with a fixed set of label values (reasons, types, operations, controllers) are
+//! reported at 0 from the start, so that `rate()` and `increase()` — and the alerts of
+//! `deploy/monitoring/` — see the first error too, not only the second.
 
 use std::time::Duration;
 
@@ -86,6 +92,17 @@ pub struct NameLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildInfoLabels {
+    pub version: &'static str,
+    pub commit: &'static str,
+}
+
+/// The version of this build (Cargo's) and the commit it was built from (build.rs:
+/// `CLUSTERIP_COMMIT`, else `git rev-parse --short HEAD`, else "unknown").
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+pub const COMMIT: &str = env!("CLUSTERIP_BUILD_COMMIT");
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
     pub controller: &'static str,
 }
@@ -112,7 +129,16 @@ pub struct Metrics {
     pub reconcile_errors: Family<ControllerLabels, Counter>,
     pub repair_ip_errors: Family<RepairLabels, Counter>,
     pub repair_reconcile_errors: Counter,
+    pub build_info: Family<BuildInfoLabels, Gauge>,
 }
+
+/// The label values each labelled counter knows in advance (reported at 0 from the start).
+pub const REPAIR_ERROR_TYPES: [&str; 7] = ["leak", "repair", "full", "outOfRange", "duplicate", "unknown", "invalid"];
+pub const WEBHOOK_REFUSAL_REASONS: [&str; 5] = ["client_certificate", "tls_handshake", "handshake_timeout", "source_limit", "evicted"];
+pub const HTTP_REFUSAL_REASONS: [&str; 2] = ["source_limit", "evicted"];
+pub const RELEASE_REASONS: [&str; 2] = ["apiserver_released", "in_flight_limit"];
+pub const CONTROLLERS: [&str; 2] = ["service", "servicecidr"];
+pub const WEBHOOK_OPERATIONS: [&str; 2] = ["mutate", "validate"];
 
 fn latency_histogram() -> Histogram {
     // 25 µs … ~7 s in steps of 1.5×: admission answers take well under a millisecond.
@@ -147,6 +173,7 @@ impl Metrics {
             reconcile_errors: Family::default(),
             repair_ip_errors: Family::default(),
             repair_reconcile_errors: Counter::default(),
+            build_info: Family::default(),
         };
         let registry = &mut m.registry;
         let alloc = registry.sub_registry_with_prefix("allocator");
@@ -212,7 +239,38 @@ impl Metrics {
             "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease. Please make sure to group by name.",
             m.leader_election_master_status.clone(),
         );
+        m.registry.register(
+            "build_info",
+            "A metric with a constant '1' value labeled by the version and the commit clusterip was built from",
+            m.build_info.clone(),
+        );
+        m.build_info.get_or_create(&BuildInfoLabels { version: VERSION, commit: COMMIT }).set(1);
+        clusterip_process_metrics::register(&mut m.kubernetes);
+        m.report_known_labels_at_zero();
         m
+    }
+
+    fn report_known_labels_at_zero(&self) {
+        for r#type in REPAIR_ERROR_TYPES {
+            let _ = self.repair_ip_errors.get_or_create(&RepairLabels { r#type });
+        }
+        for reason in WEBHOOK_REFUSAL_REASONS {
+            let _ = self.webhook_refused_connections.get_or_create(&ReasonLabels { reason });
+        }
+        for server in ["metrics", "health"] {
+            for reason in HTTP_REFUSAL_REASONS {
+                let _ = self.http_refused_connections.get_or_create(&ServerReasonLabels { server, reason });
+            }
+        }
+        for reason in RELEASE_REASONS {
+            let _ = self.webhook_released_addresses.get_or_create(&ReasonLabels { reason });
+        }
+        for controller in CONTROLLERS {
+            let _ = self.reconcile_errors.get_or_create(&ControllerLabels { controller });
+        }
+        for operation in WEBHOOK_OPERATIONS {
+            let _ = self.webhook_bad_requests.get_or_create(&OperationLabels { operation });
+        }
     }
 
     /// One answered admission request: `answer` from the body in hand, `request` from the
@@ -249,6 +307,15 @@ impl Metrics {
             self.allocation_errors_total.get_or_create(&labels).inc();
         }
         self.allocation_duration.get_or_create(&CidrLabels { cidr: cidr.to_string() }).observe(d.as_secs_f64());
+    }
+
+    /// The allocation counters of a range, at 0 until its first allocation.
+    pub fn report_range_at_zero(&self, cidr: &str) {
+        for scope in ["static", "dynamic"] {
+            let labels = ScopeLabels { cidr: cidr.to_string(), scope };
+            let _ = self.allocation_total.get_or_create(&labels);
+            let _ = self.allocation_errors_total.get_or_create(&labels);
+        }
     }
 
     /// Whether this replica leads for the Lease `name` (and runs the reconcilers).
@@ -296,6 +363,9 @@ mod tests {
         assert!(text.contains("clusterip_repair_reconcile_errors_total"), "{text}");
         assert_eq!(text.matches("# EOF").count(), 1, "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(text.contains(&format!("\nclusterip_build_info{{version=\"{VERSION}\",commit=\"{COMMIT}\"}} 1\n")), "{text}");
+        assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+        assert!(text.contains("\nclusterip_repair_ip_errors_total{type=\"duplicate\"} 0\n"), "{text}");
         m.set_leading("kube-system/clusterip-controller", false);
         assert!(m.encode().contains("\nleader_election_master_status{name=\"kube-system/clusterip-controller\"} 0\n"));
     }

@@ -47,7 +47,13 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-monitoring.XXXXXX")
 prom_pid=
 finish() {
   local rc=$?
-  if [ -n "$prom_pid" ]; then kill "$prom_pid" 2>/dev/null; wait "$prom_pid" 2>/dev/null; fi
+  if [ -n "$prom_pid" ]; then
+    kill "$prom_pid" 2>/dev/null
+    local d=$((SECONDS + 15))
+    while kill -0 "$prom_pid" 2>/dev/null && [ $SECONDS -lt $d ]; do sleep 0.2; done
+    if kill -0 "$prom_pid" 2>/dev/null; then kill -9 "$prom_pid"; fi
+    wait 2>/dev/null
+  fi
   if [ "$mode" = all ] && [ -n "${owns_node:-}" ]; then
     if [ "${CLUSTERIP_NODE_KEEP:-}" = 1 ]; then
       log "node left up in $CLUSTERIP_NODE_DIR (CLUSTERIP_NODE_DIR=$CLUSTERIP_NODE_DIR scripts/node-cluster.sh down)"
@@ -136,15 +142,23 @@ k create namespace monitoring-test >/dev/null 2>&1
 for i in 1 2 3; do k -n monitoring-test create service clusterip "m$i" --tcp=80 >/dev/null || die "creating a Service"; done
 k -n monitoring-test create service clusterip static --tcp=80 --clusterip=198.18.242.200 >/dev/null || die "creating a Service with a requested address"
 k -n monitoring-test delete service m1 >/dev/null
+# The agent's /healthz, as a load balancer probes it (the kubelet probes /livez).
+node_ip=$(k -n kube-system get pods -l app.kubernetes.io/name=clusterip-agent -o jsonpath='{.items[0].status.hostIP}')
+"$node" exec curl -s --max-time 5 -o /dev/null "http://$node_ip:10256/healthz" || die "GET http://$node_ip:10256/healthz"
 
 # ---------------------------------------------------------------- Prometheus
 python3 "$helper" scrape-config "$mon/podmonitors.yaml" "$state/admin.kubeconfig" "$work/clusterip-rules.yaml" > "$work/prometheus.yml" ||
   die "making the Prometheus configuration from the PodMonitors"
 "$promtool" check config "$work/prometheus.yml" >&2 || die "promtool check config"
 prom=http://127.0.0.1:9090
-"$node" exec "$PROMETHEUS_BIN/prometheus" --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data" \
+# (node-cluster.sh exec runs `ip netns exec` as a child: Prometheus writes its own pid, and
+# that is the process stopped at exit.)
+"$node" exec sh -c 'echo $$ > "$1/prometheus.pid"; shift; exec "$@"' sh "$work" \
+  "$PROMETHEUS_BIN/prometheus" --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data" \
   --web.listen-address=127.0.0.1:9090 --log.level=warn > "$work/prometheus.log" 2>&1 &
-prom_pid=$!
+wait_pid() { [ -s "$work/prometheus.pid" ]; }
+d=$((SECONDS + 10)); until wait_pid || [ $SECONDS -ge $d ]; do sleep 0.2; done
+prom_pid=$(cat "$work/prometheus.pid" 2>/dev/null) || die "Prometheus did not start: $(tail -5 "$work/prometheus.log")"
 log "Prometheus $("$PROMETHEUS_BIN/prometheus" --version 2>&1 | head -1 | cut -d' ' -f3) (pid $prom_pid) in the node's network namespace; log $work/prometheus.log"
 
 # query EXPR: the API's JSON answer (status success), or nothing.
@@ -171,14 +185,14 @@ all_up() {
 until_ok 90 "up" all_up || die "not every target up within 90s: $(query 'up' | jq -c '[.data.result[] | {job: .metric.job, pod: .metric.pod, up: .value[1]}]'); targets: $("$node" exec curl -sf "$prom/api/v1/targets" | jq -c '[.data.activeTargets[] | {job: .labels.job, url: .scrapeUrl, health, lastError}]')"
 query 'up{job=~"clusterip-controller|clusterip-agent"}' | jq -r '.data.result[] | "up{job=\"\(.metric.job)\",pod=\"\(.metric.pod)\"} = \(.value[1])"'
 # rate() over [5m] needs two samples of each series: two scrape intervals more.
-until_ok 30 "two samples" test "$(series 'count_over_time(up{job="clusterip-agent"}[5m]) >= 3')" -ge 1 || die "no second scrape within 30s"
+three_scrapes() { [ "$(series 'count_over_time(up{job="clusterip-agent"}[5m]) >= 3')" -ge 1 ]; }
+until_ok 30 "three scrapes" three_scrapes || die "no third scrape of the agent within 30s"
 
 fails=0
 fail() { log "FAIL: $*"; fails=$((fails + 1)); }
 
 # Every metric family each component exposes (its own /metrics: the # TYPE lines) has a series.
 pod_ip=$(k -n clusterip-system get pods -l app.kubernetes.io/name=clusterip-controller -o jsonpath='{.items[0].status.podIP}')
-node_ip=$(k -n kube-system get pods -l app.kubernetes.io/name=clusterip-agent -o jsonpath='{.items[0].status.hostIP}')
 families=0
 for target in "clusterip-controller http://$pod_ip:8080/metrics" "clusterip-agent http://$node_ip:10249/metrics"; do
   read -r job url <<< "$target"

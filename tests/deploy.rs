@@ -1,7 +1,7 @@
 //! The shipped manifests (`deploy/`): the real kube-apiserver accepts the whole kustomize
 //! tree in a server-side dry run (schema, defaulting, RBAC escalation checks, PodSecurity,
 //! admission), every object the tree should hold is in it, and the controller's RBAC is
-//! least privilege. Also: the cert-manager component renders, and
+//! least privilege. Also: the cert-manager and monitoring components render, and
 //! `scripts/gen-webhook-certs.sh` makes a serving certificate that verifies for the webhook
 //! Service.
 //!
@@ -470,6 +470,80 @@ fn cert_manager_component_renders() {
     assert!(!plain.contains("cert-manager.io") && !plain.contains("kind: Certificate"), "deploy/ pulls in cert-manager:\n{plain}");
     assert!(plain.contains(&format!("name: {CLIENT_CA}")), "the client CA ConfigMap volume:\n{plain}");
     assert!(!yaml.contains(&format!("name: {CLIENT_CA}")), "with cert-manager the client CA comes from the Secret:\n{yaml}");
+}
+
+/// deploy/ + deploy/monitoring: the PodMonitors name container ports the pods they select
+/// have, the agent's metrics move to the node's address, the dashboard ConfigMap holds
+/// dashboard.json, and every controller metric the rules and the dashboard name exists.
+/// (scripts/test-monitoring.sh checks the rest against a real Prometheus and apiserver.)
+#[test]
+fn monitoring_component_renders() {
+    let overlay = tempfile::tempdir().expect("tempdir");
+    let root = repo_root();
+    let rel = relative(&overlay.path().canonicalize().expect("canonical tempdir"), &root);
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{0}/deploy]\ncomponents: [{0}/deploy/monitoring]\n",
+            rel.display()
+        ),
+    )
+    .expect("write overlay");
+    let out = Command::new(kubectl_path()).arg("kustomize").arg(overlay.path()).output().expect("run kubectl kustomize");
+    assert!(out.status.success(), "kubectl kustomize (deploy + monitoring component): {}", text(&out));
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    let docs: Vec<serde_json::Value> = yaml
+        .split("\n---\n")
+        .map(|d| serde_yaml::from_str(d).unwrap_or_else(|e| panic!("rendered YAML: {e}:\n{d}")))
+        .collect();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} in the rendered tree:\n{yaml}"))
+    };
+    for (workload_kind, name) in [("Deployment", "clusterip-controller"), ("DaemonSet", "clusterip-agent")] {
+        let monitor = find("PodMonitor", name);
+        let workload = find(workload_kind, name);
+        assert_eq!(monitor["metadata"]["namespace"], workload["metadata"]["namespace"], "{name}: a PodMonitor selects pods of its own namespace");
+        let labels = &workload["spec"]["template"]["metadata"]["labels"];
+        for (k, v) in monitor["spec"]["selector"]["matchLabels"].as_object().expect("matchLabels") {
+            assert_eq!(&labels[k], v, "{name}: the PodMonitor's selector {k}={v} does not match the pods' labels {labels}");
+        }
+        assert_eq!(monitor["spec"]["jobLabel"], "app.kubernetes.io/name");
+        assert_eq!(labels["app.kubernetes.io/name"], name, "the job label");
+        let ports: Vec<&str> = workload["spec"]["template"]["spec"]["containers"][0]["ports"]
+            .as_array()
+            .expect("ports")
+            .iter()
+            .filter_map(|p| p["name"].as_str())
+            .collect();
+        for ep in monitor["spec"]["podMetricsEndpoints"].as_array().expect("endpoints") {
+            let port = ep["port"].as_str().expect("port name");
+            assert!(ports.contains(&port), "{name}: the PodMonitor scrapes port {port}, the pods have {ports:?}");
+        }
+    }
+    let agent = &find("DaemonSet", "clusterip-agent")["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = agent["args"].as_array().expect("args").iter().filter_map(|a| a.as_str()).collect();
+    assert!(args.contains(&"--metrics-bind-address=$(NODE_IP):10249"), "{args:?}");
+    assert!(
+        agent["env"].as_array().expect("env").iter().any(|e| e["name"] == "NODE_IP" && e["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"),
+        "{agent}"
+    );
+    let dashboard = std::fs::read_to_string(root.join("deploy/monitoring/dashboard.json")).expect("dashboard.json");
+    let cm = find("ConfigMap", "clusterip-dashboard");
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    assert_eq!(cm["data"]["clusterip.json"].as_str(), Some(dashboard.as_str()));
+    assert!(find("PrometheusRule", "clusterip")["spec"]["groups"].as_array().is_some_and(|g| !g.is_empty()));
+
+    // The controller's metric names the rules and the dashboard use are the controller's.
+    let exposed = clusterip::metrics::Metrics::new().encode();
+    let rules = std::fs::read_to_string(root.join("deploy/monitoring/prometheusrule.yaml")).expect("prometheusrule.yaml");
+    for source in [&rules, &dashboard] {
+        for name in source.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("clusterip_") && !w.starts_with("clusterip_agent_")) {
+            let base = ["_bucket", "_count", "_sum", "_total"].iter().fold(name, |n, s| n.strip_suffix(s).unwrap_or(n));
+            assert!(exposed.contains(&format!("# TYPE {base} ")) || exposed.contains(&format!("\n{base}")), "{name}: not a metric of the controller");
+        }
+    }
 }
 
 #[test]

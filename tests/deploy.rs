@@ -536,7 +536,16 @@ fn monitoring_component_renders() {
     assert!(find("PrometheusRule", "clusterip")["spec"]["groups"].as_array().is_some_and(|g| !g.is_empty()));
 
     // The controller's metric names the rules and the dashboard use are the controller's.
-    let exposed = clusterip::metrics::Metrics::new().encode();
+    // (A family is exposed once it has a series: one of each.)
+    let metrics = clusterip::metrics::Metrics::new();
+    let d = std::time::Duration::from_millis(1);
+    metrics.webhook_latency("mutate", true, d, d);
+    metrics.allocation("10.96.0.0/12", "dynamic", true, d);
+    metrics.allocation("10.96.0.0/12", "dynamic", false, d);
+    metrics.set_usage("10.96.0.0/12", 1, 2, 0);
+    metrics.set_unreadable(&[]);
+    metrics.set_leading("clusterip-system/clusterip-controller", true);
+    let exposed = metrics.encode();
     let rules = std::fs::read_to_string(root.join("deploy/monitoring/prometheusrule.yaml")).expect("prometheusrule.yaml");
     for source in [&rules, &dashboard] {
         for name in source.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("clusterip_") && !w.starts_with("clusterip_agent_")) {

@@ -58,6 +58,13 @@ pub struct ControllerArgs {
     #[arg(long, default_value = "75s", value_parser = parse_timeout)]
     pub address_block_margin: std::time::Duration,
 
+    /// The kube-apiserver's --request-timeout (Kubernetes' default 1m0s): the longest a
+    /// create can stay in the apiserver after our webhook answered it. No API tells it, so
+    /// state it here when the apiserver's is raised. The controller refuses to start unless
+    /// --in-flight-limit and (ipaddress backend) --address-block-margin exceed it.
+    #[arg(long, default_value = "60s", value_parser = parse_timeout)]
+    pub apiserver_request_timeout: std::time::Duration,
+
     /// Address of the HTTPS admission webhook (POST /mutate, POST /validate). Port 0 picks
     /// a free port; the "clusterip controller started" log line names the one bound.
     #[arg(long, default_value = "0.0.0.0:9443")]
@@ -209,6 +216,27 @@ fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
     }
 }
 
+/// The timing rules that rest on the kube-apiserver's request timeout T: an answered address
+/// is kept in flight longer than T (`--in-flight-limit`), and a block holder stops answering
+/// more than T before anyone may take its block over (`--address-block-margin`, ipaddress
+/// backend). The error names both values.
+fn check_request_timeout(args: &ControllerArgs) -> Result<(), String> {
+    let t = args.apiserver_request_timeout;
+    if args.in_flight_limit <= t {
+        return Err(format!(
+            "--in-flight-limit {:?} must exceed --apiserver-request-timeout {t:?} (the kube-apiserver's --request-timeout): an address answered by the webhook can stay unrecorded that long, and releasing it sooner could give it to two Services",
+            args.in_flight_limit
+        ));
+    }
+    if args.backend.backend == BackendKind::Ipaddress && args.address_block_margin <= t {
+        return Err(format!(
+            "--address-block-margin {:?} must exceed --apiserver-request-timeout {t:?} (the kube-apiserver's --request-timeout): a block holder stops answering this long before another replica may take the block over, and every answer must be stored (or failed) by then; raise --address-block-margin and --address-block-lease-duration",
+            args.address_block_margin
+        ));
+    }
+    Ok(())
+}
+
 fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "clusterip".into());
     format!("{host}-{}", std::process::id())
@@ -230,6 +258,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     if args.leader_elect {
         election.validate().map_err(anyhow::Error::msg)?;
     }
+    check_request_timeout(&args).map_err(anyhow::Error::msg)?;
 
     // What the cluster already records (the kube-apiserver's own allocations included):
     // never handed out, and recorded in our backend so the two agree.
@@ -468,5 +497,42 @@ impl Signals {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn parse(extra: &[&str]) -> ControllerArgs {
+        let mut argv = vec!["clusterip", "controller", "--service-cidr=10.96.0.0/16", "--tls-cert-file=c", "--tls-private-key-file=k", "--client-ca-file=ca"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).expect("flags parse").command {
+            Command::Controller(a) => *a,
+            other => panic!("not the controller: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_defaults_respect_kubernetes_default_request_timeout() {
+        assert_eq!(check_request_timeout(&parse(&[])), Ok(()));
+        assert_eq!(check_request_timeout(&parse(&["--backend=etcd"])), Ok(()));
+    }
+
+    #[test]
+    fn a_raised_request_timeout_needs_a_larger_margin_and_in_flight_limit() {
+        let e = check_request_timeout(&parse(&["--apiserver-request-timeout=80s"])).expect_err("margin 75s < 80s");
+        assert!(e.starts_with("--address-block-margin 75s must exceed --apiserver-request-timeout 80s"), "{e}");
+        let e = check_request_timeout(&parse(&["--apiserver-request-timeout=120s", "--address-block-margin=150s", "--address-block-lease-duration=240s"])).expect_err("in-flight 90s < 120s");
+        assert!(e.starts_with("--in-flight-limit 90s must exceed --apiserver-request-timeout 120s"), "{e}");
+        // The margin is the ipaddress backend's; the etcd backend checks the in-flight limit only.
+        assert_eq!(check_request_timeout(&parse(&["--backend=etcd", "--apiserver-request-timeout=80s"])), Ok(()));
+        assert_eq!(
+            check_request_timeout(&parse(&["--apiserver-request-timeout=120s", "--address-block-margin=150s", "--address-block-lease-duration=240s", "--in-flight-limit=150s"])),
+            Ok(())
+        );
     }
 }

@@ -43,6 +43,7 @@ mod committer;
 mod decide;
 mod keys;
 mod pool;
+mod stored;
 mod txn;
 mod view;
 
@@ -136,10 +137,11 @@ impl EtcdStore {
         let waiters: Waiters = Arc::default();
         let mut per_range = Vec::new();
         let mut tasks = JoinSet::new();
-        for (index, cidr) in cidrs.iter().enumerate() {
-            let key = range_key(&cfg.prefix, cidr);
+        let keys = stored_keys(&client, &cfg.prefix, &cidrs, cfg.request_timeout).await?;
+        for ((index, cidr), key) in cidrs.iter().enumerate().zip(keys) {
             let view = Arc::new(Mutex::new(View {
                 map: AllocationMap::new(cidr.clone()),
+                stored: stored::Stored::as_configured(cidr),
                 revision: 0,
                 watched: 0,
                 pools: BTreeMap::new(),
@@ -160,6 +162,7 @@ impl EtcdStore {
                 timeout: cfg.request_timeout,
             };
             reload(&ctx).await?;
+            refuse_held_outside(&lock(&view), cidr, &key)?;
             let committer = Committer::new(ctx.clone(), cfg.max_batch);
             tasks.spawn(committer.run(rx));
             tasks.spawn(watch_range(ctx));
@@ -235,6 +238,35 @@ impl EtcdStore {
 
 }
 
+/// The key of each configured range ([`stored::choose_keys`]) among the range keys stored
+/// under `prefix`.
+async fn stored_keys(client: &Client, prefix: &str, cidrs: &[ServiceCidr], timeout: Duration) -> Result<Vec<String>, StoreError> {
+    let dir = format!("{}/", prefix.trim_end_matches('/'));
+    let listed = read(&mut client.clone(), &dir, Some(GetOptions::new().with_prefix().with_keys_only()), timeout).await?;
+    let mut found = Vec::new();
+    for kv in listed.kvs() {
+        let Some((key, named)) = kv.key_str().ok().and_then(|k| Some((k, ServiceCidr::parse(k.strip_prefix(&dir)?).ok()?))) else { continue };
+        let holds = get(&mut client.clone(), key, timeout).await?.and_then(|(v, _)| AllocationMap::restore_stored(&v).ok()).map(|m| m.cidr().clone());
+        found.push(stored::Found { key: key.to_string(), named, holds });
+    }
+    stored::choose_keys(prefix, cidrs, &found).map_err(StoreError::Config)
+}
+
+/// A shrink is refused while the part it removes still holds an address (as Kubernetes
+/// refuses to delete a ServiceCIDR whose addresses are in use): an address of the stored map
+/// outside `cidr` that no replica's pool key lists (pooled addresses are free).
+fn refuse_held_outside(v: &View, cidr: &ServiceCidr, key: &str) -> Result<(), StoreError> {
+    let held: Vec<IpAddr> = v.stored.outside.iter().copied().filter(|ip| v.pool_owner(*ip).is_none()).collect();
+    let Some(first) = held.first() else { return Ok(()) };
+    let by = v.owners.get(first).map(|o| format!(" (held by {o})")).unwrap_or_else(|| " (a Service's, or leaked)".into());
+    Err(StoreError::Config(format!(
+        "--service-cidr {cidr} leaves out {} address(es) still held in the range stored at {key} ({}): {first}{by}{}; release them (delete or re-create their Services, release their owners' records) before shrinking, or keep the wider range",
+        held.len(),
+        v.stored.cidr,
+        if held.len() > 1 { ", …" } else { "" }
+    )))
+}
+
 /// The owner an allocation records: its parent, unless that is a Service (the
 /// kube-apiserver records a Service's addresses itself, as IPAddress objects).
 fn recorded_owner(parent: Option<&ParentRef>) -> Option<ParentRef> {
@@ -268,7 +300,7 @@ impl EtcdStore {
             let key = &r.key;
             let resp = read(&mut self.client.clone(), key, Some(GetOptions::new().with_prefix()), self.timeout).await?;
             let Some(stored) = resp.kvs().iter().find(|kv| kv.key() == key.as_bytes()) else { continue };
-            if AllocationMap::restore(cidr, stored.value()).is_ok() {
+            if stored::Stored::decode(cidr, stored.value()).is_ok() {
                 continue;
             }
             let mut map = AllocationMap::new(cidr.clone());

@@ -117,12 +117,12 @@ impl Committer {
                 reload(&self.ctx).await?;
                 self.stale = false;
             }
-            let (map, revision, owners) = {
+            let (map, stored, revision, owners) = {
                 let v = lock(&self.ctx.view);
                 if let Some(e) = v.map_unreadable(&key) {
                     return Err(e);
                 }
-                (v.map.clone(), v.revision, v.owners.clone())
+                (v.map.clone(), v.stored.clone(), v.revision, v.owners.clone())
             };
             let lease = self.ctx.pool.lease();
             let d = decide_batch(map, owners, &key, lease.is_some(), ops);
@@ -137,7 +137,7 @@ impl Committer {
                 }
                 return Ok((d.replies, Vec::new(), None));
             }
-            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &d, pool_ops))).await {
+            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &stored, &d, pool_ops))).await {
                 Ok(r) => r,
                 Err(e) if e.lease_not_found() && lease.is_some() => {
                     // Our lease ran out under us: the pool is no longer ours to hand
@@ -158,6 +158,7 @@ impl Committer {
                     let mut v = lock(&self.ctx.view);
                     if v.revision < new_revision {
                         v.map = d.map;
+                        v.stored = stored.written(&self.ctx.cidr);
                         v.revision = new_revision;
                         v.owners = d.owners;
                     }
@@ -185,9 +186,9 @@ impl Committer {
     /// something newer meanwhile).
     fn adopt(&self, current: txn::Current) -> Result<(), StoreError> {
         let key = &self.ctx.key;
-        let (map, revision) = match current.map {
+        let (map, stored, revision) = match current.map {
             Some((value, rev)) => match decode(key, &self.ctx.cidr, &value) {
-                Ok(map) => (map, rev),
+                Ok((map, stored)) => (map, stored, rev),
                 Err(e) => {
                     if let StoreError::Corrupt { reason, .. } = &e {
                         lock(&self.ctx.view).unreadable.insert(key.clone(), ("allocation_map", reason.clone()));
@@ -195,11 +196,12 @@ impl Committer {
                     return Err(e);
                 }
             },
-            None => (AllocationMap::new(self.ctx.cidr.clone()), 0),
+            None => (AllocationMap::new(self.ctx.cidr.clone()), super::stored::Stored::as_configured(&self.ctx.cidr), 0),
         };
         let mut v = lock(&self.ctx.view);
         if v.revision <= revision {
             v.map = map;
+            v.stored = stored;
             v.revision = revision;
             // Read in the same transaction as the map, so of the same moment.
             if let Some(owned) = current.owners {

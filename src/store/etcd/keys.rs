@@ -54,9 +54,9 @@ pub(super) fn parse_owner(value: &[u8]) -> Result<ParentRef, String> {
 pub(super) const MAP_CONSEQUENCE: &str = "no address of this range is allocated or released until the map is rebuilt: `clusterip repair --rebuild`";
 pub(super) const OWNER_CONSEQUENCE: &str = "the address stays allocated; only an operator releases it (docs/operations.md, \"Corrupt records\")";
 
-/// Decode a stored value into a map for `cidr`.
-pub(super) fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<AllocationMap, StoreError> {
-    AllocationMap::restore(cidr, value).map_err(|e| StoreError::Corrupt {
+/// Decode a stored value into the map of `cidr` and what the value holds outside it.
+pub(super) fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<(AllocationMap, super::stored::Stored), StoreError> {
+    super::stored::Stored::decode(cidr, value).map_err(|e| StoreError::Corrupt {
         record: format!("the allocation map stored at {key}"),
         reason: e.to_string(),
         consequence: MAP_CONSEQUENCE,

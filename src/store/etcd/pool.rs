@@ -155,8 +155,15 @@ impl EtcdStore {
     pub(super) async fn claim_any(&self, range: usize) -> Option<IpAddr> {
         const CANDIDATES: usize = 16;
         let own = self.pool.lease().map(|l| l.member());
-        let candidates: Vec<(IpAddr, String)> =
-            lock(&self.per_range[range].view).pooled_by_others(own.as_deref()).map(|(ip, m)| (ip, m.to_string())).take(CANDIDATES).collect();
+        // (Only addresses of our own range: during a range change another replica's pool may
+        // list addresses of a wider one.)
+        let ours = &self.ranges.cidrs()[range];
+        let candidates: Vec<(IpAddr, String)> = lock(&self.per_range[range].view)
+            .pooled_by_others(own.as_deref())
+            .filter(|(ip, _)| ours.offset_of(*ip).is_some())
+            .map(|(ip, m)| (ip, m.to_string()))
+            .take(CANDIDATES)
+            .collect();
         // An owner that does not answer (dead, its lease not yet expired) is asked once.
         let mut silent: BTreeSet<String> = BTreeSet::new();
         for (ip, owner) in candidates {

@@ -19,12 +19,16 @@ use crate::sync::lock;
 use super::client::read;
 use super::keys::{classify, decode_owner, parse_owner, Under, MAP_CONSEQUENCE};
 use super::pool::answer_claim;
+use super::stored::Stored;
 use super::RangeCtx;
 
 /// The local copy of one range: the map as of `revision` (0 = the key does not exist), and
 /// every replica's pool key and pending claim under the range key.
 pub(super) struct View {
+    /// The part of the stored map inside this replica's range.
     pub(super) map: AllocationMap,
+    /// The stored map's range and what it holds outside ours (a range change in progress).
+    pub(super) stored: Stored,
     pub(super) revision: i64,
     /// Highest etcd revision read (by a get or the watch) under the range key's prefix.
     pub(super) watched: i64,
@@ -133,9 +137,10 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                 return;
             }
             match value {
-                Some(value) => match AllocationMap::restore(&ctx.cidr, value) {
-                    Ok(map) => {
+                Some(value) => match Stored::decode(&ctx.cidr, value) {
+                    Ok((map, stored)) => {
                         v.map = map;
+                        v.stored = stored;
                         v.revision = mod_revision;
                         if v.unreadable.remove(&ctx.key).is_some() {
                             info!(key = %ctx.key, "the allocation map is readable again; allocating from it");
@@ -151,6 +156,7 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                 },
                 None => {
                     v.map = AllocationMap::new(ctx.cidr.clone());
+                    v.stored = Stored::as_configured(&ctx.cidr);
                     v.revision = 0;
                     v.unreadable.remove(&ctx.key);
                 }
@@ -207,14 +213,14 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
 pub(super) async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
     let key = &ctx.key;
     let resp = read(&mut ctx.client.clone(), key, Some(GetOptions::new().with_prefix()), ctx.timeout).await?;
-    let mut map = Some(AllocationMap::new(ctx.cidr.clone()));
+    let mut map = Some((AllocationMap::new(ctx.cidr.clone()), Stored::as_configured(&ctx.cidr)));
     let mut revision = 0;
     let mut unreadable = BTreeMap::new();
     let mut rest = Vec::new();
     for kv in resp.kvs() {
         let Ok(k) = kv.key_str() else { continue };
         match classify(key, k) {
-            Under::Map => match AllocationMap::restore(&ctx.cidr, kv.value()) {
+            Under::Map => match Stored::decode(&ctx.cidr, kv.value()) {
                 Ok(m) => {
                     map = Some(m);
                     revision = kv.mod_revision();
@@ -232,8 +238,9 @@ pub(super) async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
     {
         let mut v = lock(&ctx.view);
         // An unreadable map keeps the last good copy (and its revision) for reads.
-        if let Some(map) = map {
+        if let Some((map, stored)) = map {
             v.map = map;
+            v.stored = stored;
             v.revision = revision;
         }
         v.unreadable = unreadable;

@@ -1,20 +1,24 @@
 //! The committer of one range: takes every request waiting in the range's queue (up to
 //! `max_batch`), decides them together ([`super::decide`]), and makes the decisions durable
 //! in one transaction ([`super::txn`]) — retrying on a fresh copy when another writer got
-//! there first.
+//! there first. It also acts on the claims the watch-fed copy found addressed to this
+//! replica's pool ([`super::view::ClaimToAnswer`]): the copy only reports them, the
+//! committer answers (`pool_lease.rs`).
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::alloc::AllocationMap;
-use crate::store::etcd_pool::{ChunkWrite, MAX_FILL_KEYS, MAX_REWRITES};
+use super::pool::{ChunkWrite, MAX_FILL_KEYS, MAX_REWRITES};
 use crate::store::{Cause, StoreError};
 use crate::sync::lock;
 
 use super::client::call;
 use super::decide::{decide_batch, Op, Reply};
-use super::keys::decode;
-use super::view::reload;
+use super::stored::decode;
+use super::pool_lease::answer_claim;
+use super::queue::{enqueue, Request};
+use super::view::{reload, ClaimToAnswer};
 use super::{txn, RangeCtx};
 
 /// Conflicting transactions retried for one batch before its callers get an error.
@@ -30,18 +34,6 @@ const MAX_OWNER_KEYS: usize = 64;
 // the owner keys: within etcd's limit whatever the queue holds.
 const _: () = assert!(1 + MAX_OWNER_KEYS + MAX_FILL_KEYS + MAX_REWRITES <= ETCD_MAX_TXN_OPS);
 
-pub(super) struct Request {
-    pub op: Op,
-    /// None for background work (pool fills and syncs) nobody waits for.
-    pub reply: Option<oneshot::Sender<Reply>>,
-}
-
-/// Queue background work for a range's committer; dropped when the queue is full (a later
-/// pop asks again).
-pub(super) fn enqueue(queue: &mpsc::Sender<Request>, op: Op) {
-    let _ = queue.try_send(Request { op, reply: None });
-}
-
 pub(super) struct Committer {
     ctx: RangeCtx,
     max_batch: usize,
@@ -54,9 +46,20 @@ impl Committer {
         Self { ctx, max_batch: max_batch.max(1), stale: false }
     }
 
-    /// Serve the range's queue until every sender is gone.
-    pub(super) async fn run(mut self, mut queue: mpsc::Receiver<Request>) {
-        while let Some(first) = queue.recv().await {
+    /// Serve the range's queue until every sender is gone, and answer the claims on our
+    /// pooled addresses that the range's watch reports.
+    pub(super) async fn run(mut self, mut queue: mpsc::Receiver<Request>, mut claims: mpsc::UnboundedReceiver<ClaimToAnswer>) {
+        loop {
+            let first = tokio::select! {
+                Some(claim) = claims.recv() => {
+                    self.answer(vec![claim]);
+                    continue;
+                }
+                first = queue.recv() => match first {
+                    Some(first) => first,
+                    None => return,
+                },
+            };
             let mut owner_keys = first.op.owner_keys();
             let mut batch = vec![first];
             while batch.len() < self.max_batch && owner_keys < MAX_OWNER_KEYS {
@@ -88,6 +91,13 @@ impl Committer {
         }
     }
 
+    /// Answer each claim on its own task: an etcd round trip that no batch waits for.
+    fn answer(&self, claims: Vec<ClaimToAnswer>) {
+        for claim in claims {
+            tokio::spawn(answer_claim(self.ctx.clone(), claim));
+        }
+    }
+
     /// Decide `ops` against the current map and make the result durable in one transaction.
     async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Reply>, StoreError> {
         let result = self.commit_inner(ops).await;
@@ -114,7 +124,8 @@ impl Committer {
         let key = self.ctx.key.clone();
         for attempt in 0..MAX_CONFLICT_RETRIES {
             if self.stale {
-                reload(&self.ctx).await?;
+                let claims = reload(&self.ctx).await?;
+                self.answer(claims);
                 self.stale = false;
             }
             let (map, stored, revision, owners) = {

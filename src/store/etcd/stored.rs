@@ -10,6 +10,16 @@ use std::net::IpAddr;
 
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::ServiceCidr;
+use crate::store::StoreError;
+
+/// Decode the value stored at `key` into the map of `cidr` and what the value holds outside it.
+pub(super) fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<(AllocationMap, Stored), StoreError> {
+    Stored::decode(cidr, value).map_err(|e| StoreError::Corrupt {
+        record: format!("the allocation map stored at {key}"),
+        reason: e.to_string(),
+        consequence: super::keys::MAP_CONSEQUENCE,
+    })
+}
 
 /// The stored value's range and the addresses it holds outside the configured range.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
 
-use crate::store::etcd_pool::{encode_pool, member_pool_prefix, pool_key, LeaseState, PoolPlan};
+use super::pool::{encode_pool, member_pool_prefix, pool_key, LeaseState, PoolPlan};
 use crate::store::ParentRef;
 
 use super::decide::{Decided, OwnerGuard, OwnerWrite};

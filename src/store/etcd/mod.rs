@@ -16,7 +16,7 @@
 //!   transaction; an allocation whose acknowledgement was lost is a leak for repair to
 //!   reclaim, never a second owner.
 //! - With an address pool (`pool_size > 0`, the controller), dynamic requests are answered
-//!   from addresses this process recorded ahead of need; see [`super::etcd_pool`] for how
+//!   from addresses this process recorded ahead of need; see [`pool`] for how
 //!   pool keys, the lease and claims keep that race-free.
 //! - Owners other than Services (a Gateway, anything `clusterip allocate --parent` names)
 //!   are recorded under `<range key>/owner/<address>` (the parentRef as JSON), written in
@@ -33,16 +33,22 @@
 //!   reported by [`AllocationStore::unreadable`].
 //!
 //! The parts, one file each under `etcd/`: `client` (flags, connection, the one request
-//! translator), `keys` (the keys and their values), `decide` (the pure decisions of one
-//! batch), `txn` (the transaction that makes them durable), `committer` (the queue and the
-//! retry loop of each range), `view` (the watch-fed local copy) and `pool` (the pool's etcd
-//! side: its lease, claims). This file holds the store and its [`AllocationStore`] methods.
+//! translator), `keys` (the keys and their values), `stored` (the map's stored form, range
+//! changes), `decide` (the pure decisions of one batch), `txn` (the transaction that makes
+//! them durable), `queue` (a range's queue), `committer` (the retry loop serving it, and the
+//! one that answers claims), `view` (the watch-fed local copy: it only reads, and returns
+//! the claims it sees to the committer), `pool` (the address pool's in-memory side and key
+//! formats) and `pool_lease` (the pool's etcd side: its lease, claims, hand-outs). Imports
+//! point one way: `view` → `pool`; `committer` → `view`, `pool_lease` → `queue`. This file
+//! holds the store and its [`AllocationStore`] methods.
 
 mod client;
 mod committer;
 mod decide;
 mod keys;
-mod pool;
+pub mod pool;
+mod pool_lease;
+mod queue;
 mod stored;
 mod txn;
 mod view;
@@ -62,7 +68,7 @@ use tracing::info;
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{Family, ServiceCidr};
 
-use super::etcd_pool::{decode_pool, pool_target, ClaimAnswer, OwnPool};
+use pool::{decode_pool, pool_target, ClaimAnswer, OwnPool};
 use super::{AllocationStore, BackendKind, Cause, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
 use crate::sync::lock;
 
@@ -70,10 +76,11 @@ pub use client::{call, connect, EtcdArgs, EtcdConfig, EtcdError, DEFAULT_MAX_BAT
 pub use keys::{owner_key, owner_prefix, range_key, UNREADABLE_OWNER};
 
 use client::{get, read};
-use committer::{enqueue, Committer, Request};
+use committer::Committer;
+use queue::{enqueue, Request};
 use decide::{Op, Reply};
 use keys::{classify, decode_owner, owners_in, Under};
-use pool::keep_lease;
+use pool_lease::keep_lease;
 use view::{reload, watch_range, View};
 
 /// How long `/readyz` waits for etcd (the Deployment's probe gives up after 2 s).
@@ -161,11 +168,16 @@ impl EtcdStore {
                 client: client.clone(),
                 timeout: cfg.request_timeout,
             };
-            reload(&ctx).await?;
+            // Claims on our pooled addresses: the watch-fed copy finds them, the committer
+            // answers them.
+            let (claims, claims_rx) = mpsc::unbounded_channel();
+            for claim in reload(&ctx).await? {
+                let _ = claims.send(claim);
+            }
             refuse_held_outside(&lock(&view), cidr, &key)?;
             let committer = Committer::new(ctx.clone(), cfg.max_batch);
-            tasks.spawn(committer.run(rx));
-            tasks.spawn(watch_range(ctx));
+            tasks.spawn(committer.run(rx, claims_rx));
+            tasks.spawn(watch_range(ctx, claims));
             per_range.push(Range { key, view, queue: tx });
         }
         let queues: Vec<_> = per_range.iter().map(|r| r.queue.clone()).collect();

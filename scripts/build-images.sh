@@ -5,7 +5,8 @@
 # Containerfiles are built unchanged (and build the same way elsewhere against real registries).
 #
 #   scripts/build-images.sh [clusterip] [clusterip-agent] [pause] [node-test]
-#                           [e2e-agnhost] [e2e-busybox] [e2e-pause] [coredns] [kube-proxy]
+#                           [e2e-agnhost] [e2e-busybox] [e2e-pause]
+#                           [e2e-regression-issue-74839] [coredns] [kube-proxy]
 #                                   (default: the first three; node-test: scripts/test-node.sh's
 #                                   workload, tests/node/Containerfile; e2e-*: the images
 #                                   Kubernetes' e2e suite runs, scripts/lib/build-e2e-images.sh)
@@ -209,6 +210,27 @@ build_e2e_agnhost() {
   log "built $e2e_agnhost_image"
 }
 
+# regression-issue-74839: the conntrack test's prober (test/images/regression-issue-74839 of
+# the same module: a raw TCP socket that answers an out-of-window packet). Upstream's base is
+# Kubernetes' debian-base (bookworm); here bookworm minbase, the binary as its entrypoint.
+build_e2e_regression_issue_74839() {
+  local mod src bin ctr mnt
+  "$repo/scripts/lib/build-go-binaries.sh" regression-issue-74839
+  eval "$("$repo/scripts/lib/build-go-binaries.sh" print-dirs)"
+  bin=$K8S_BIN/regression-issue-74839
+  mod=$("$repo/scripts/lib/build-go-binaries.sh" k8s-e2e-module)
+  src=$(cd "$mod" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/regression-issue-74839
+  e2e_regression_image=registry.k8s.io/e2e-test-images/regression-issue-74839:$(cat "$src/VERSION")
+  have_image "$e2e_regression_image" && [ ! "$bin" -nt "$out/e2e/regression-issue-74839.oci.tar" ] && return 0
+  ctr=$(debian_rootfs_image "$e2e_regression_image")
+  mnt=$(bh mount "$ctr")
+  install -m 0755 "$bin" "$mnt/regression-issue-74839"
+  bh umount "$ctr" >/dev/null
+  bh config --entrypoint '["/regression-issue-74839"]' --cmd '' "$ctr"
+  bh commit --quiet --rm "$ctr" "$e2e_regression_image" >/dev/null
+  log "built $e2e_regression_image"
+}
+
 # busybox: the e2e suite's busybox image is Docker's busybox (one static binary, a link per
 # applet in /bin, a minimal /etc). Debian's busybox-static in an image of its own is the
 # nearest thing made from Debian packages: the same program, Debian's release of it and
@@ -327,12 +349,15 @@ for w in "${what[@]}"; do
       e2e_pause_image=registry.k8s.io/pause:${E2E_PAUSE_TAG:?the tag e2e.test pulls}
       bh tag "$pause_image" "$e2e_pause_image"
       export_archive "$e2e_pause_image" e2e/pause.oci.tar ;;
+    e2e-regression-issue-74839)
+      build_e2e_regression_issue_74839
+      export_archive "$e2e_regression_image" e2e/regression-issue-74839.oci.tar ;;
     coredns)
       build_coredns
       export_archive "$coredns_image" e2e/coredns.oci.tar ;;
     kube-proxy)
       build_kube_proxy
       export_archive "$kube_proxy_image" kube-proxy.oci.tar ;;
-    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause, coredns, kube-proxy)" ;;
+    *) die "unknown image '$w' (clusterip, clusterip-agent, pause, node-test, e2e-agnhost, e2e-busybox, e2e-pause, e2e-regression-issue-74839, coredns, kube-proxy)" ;;
   esac
 done

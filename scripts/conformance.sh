@@ -173,6 +173,8 @@ t0=$SECONDS
 junit=$out/junit.xml
 log "running e2e.test on $procs ginkgo processes (focus: $focus; skip: $skip; at most $timeout_min min); log: $out/e2e.log"
 # The ginkgo CLI runs the compiled suite on --procs processes and merges their reports.
+# (--num-nodes: the suite's own count, which tests needing two nodes check; unset it is -1
+# and they skip with "Requires at least 2 nodes (not -1)".)
 # (ginkgo's own timeout ends the suite with a report; the outer one bounds a hung process.)
 timeout --kill-after=30s "$((timeout_min * 60 + 300))s" \
   "$repo/scripts/lib/run-capped.sh" $((2048 + 1024 * procs)) -- \
@@ -181,7 +183,8 @@ timeout --kill-after=30s "$((timeout_min * 60 + 300))s" \
     --output-dir="$out" --junit-report=junit.xml --no-color -v --silence-skips \
     "$K8S_BIN/e2e.test" -- \
     --provider=local --kubeconfig="$CLUSTERIP_NODE_DIR/admin.kubeconfig" \
-    --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" > "$out/e2e.log" 2>&1 &
+    --kubectl-path="$K8S_BIN/kubectl" --report-dir="$out" --num-nodes="$nodes" \
+    > "$out/e2e.log" 2>&1 &
 # (In the background, so that INT/TERM reach this shell's trap while the suite runs.)
 e2e_pid=$!
 wait "$e2e_pid"

@@ -1,5 +1,5 @@
 //! The clock of clusterip's protocols with timing rules — the leader election
-//! (`controller::leader`) and the address blocks (`store::blocks`) — injected, so that their
+//! (`controller::leader`) and the address blocks (`store::ipaddress::blocks`) — injected, so that their
 //! decisions are tested with instants a test chooses, in milliseconds (as client-go's
 //! `LeaderElector` holds a `clock.Clock` "to allow for less flaky testing").
 //!

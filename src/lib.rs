@@ -19,6 +19,8 @@ pub mod cli;
 pub mod clock;
 pub mod controller;
 pub mod crds;
+/// The fuzz harnesses (feature `fuzzing`: tests/fuzz and tests/fuzz_corpora.rs).
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod k8s;

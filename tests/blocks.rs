@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use clusterip::alloc::AllocError;
 use clusterip::cidr::{Family, ServiceCidr};
-use clusterip::store::apiserver_ips::ApiserverIps;
-use clusterip::store::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
+use clusterip::store::ipaddress::apiserver_ips::ApiserverIps;
+use clusterip::store::ipaddress::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
 use clusterip_test_support::poll::eventually_some;
 use clusterip_test_support::{control_plane, unique_name, ControlPlane};

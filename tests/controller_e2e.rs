@@ -317,9 +317,9 @@ async fn remove_leftover_blocks(client: &Client, slice: Slice) {
     use k8s_openapi::api::coordination::v1::Lease;
     let ours = [ServiceCidr::parse(&slice.v4()).expect("v4 slice"), ServiceCidr::parse(&slice.v6()).expect("v6 slice")];
     let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
-    let Ok(list) = leases.list(&ListParams::default().labels(clusterip::store::blocks::BLOCK_LABEL)).await else { return };
+    let Ok(list) = leases.list(&ListParams::default().labels(clusterip::store::ipaddress::blocks::BLOCK_LABEL)).await else { return };
     for l in list.items {
-        let range = l.metadata.annotations.as_ref().and_then(|a| a.get(clusterip::store::blocks::RANGE_ANNOTATION)).and_then(|r| ServiceCidr::parse(r).ok());
+        let range = l.metadata.annotations.as_ref().and_then(|a| a.get(clusterip::store::ipaddress::blocks::RANGE_ANNOTATION)).and_then(|r| ServiceCidr::parse(r).ok());
         if range.is_some_and(|r| ours.contains(&r)) {
             if let Some(name) = l.metadata.name.as_deref() {
                 let _ = leases.delete(name, &DeleteParams::default()).await;
@@ -803,9 +803,9 @@ async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over(
     let v4 = clusterip::cidr::ServiceCidr::parse(&slice.v4()).expect("v4 slice");
     let holders = || async {
         let mut out = std::collections::BTreeMap::new();
-        for l in leases.list(&ListParams::default().labels(clusterip::store::blocks::BLOCK_LABEL)).await.expect("list block Leases").items {
+        for l in leases.list(&ListParams::default().labels(clusterip::store::ipaddress::blocks::BLOCK_LABEL)).await.expect("list block Leases").items {
             let name = l.metadata.name.clone().unwrap_or_default();
-            if name.starts_with(&clusterip::store::blocks::block_name(&v4, 0).trim_end_matches("-0").to_string()) {
+            if name.starts_with(&clusterip::store::ipaddress::blocks::block_name(&v4, 0).trim_end_matches("-0").to_string()) {
                 out.insert(name, l.spec.and_then(|s| s.holder_identity).unwrap_or_default());
             }
         }
@@ -923,7 +923,7 @@ async fn ipaddress_backend_two_replicas_share_a_small_range_to_its_last_address(
 /// reached the resumed replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_paused_replica_never_hands_out_a_pooled_address_it_lost() {
-    use clusterip::store::etcd_pool::{decode_pool, pool_member};
+    use clusterip::store::etcd::pool::{decode_pool, pool_member};
     use std::collections::BTreeMap;
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();

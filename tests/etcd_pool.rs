@@ -14,7 +14,7 @@ use clusterip::alloc::AllocError;
 use clusterip::cidr::Family;
 use clusterip::repair::{Kind, Repairer, Target};
 use clusterip::store::etcd::{range_key, EtcdConfig, EtcdStore};
-use clusterip::store::etcd_pool::{claim_key, decode_pool, pool_member, pool_prefix, CHUNK, LEASE_TTL};
+use clusterip::store::etcd::pool::{claim_key, decode_pool, pool_member, pool_prefix, CHUNK, LEASE_TTL};
 use clusterip::store::{AllocationStore, StoreError};
 use clusterip_test_support::eventually;
 use store_common::{Backend, Fixture};

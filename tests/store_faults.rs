@@ -395,8 +395,8 @@ async fn etcd_backend_survives_member_faults_of_a_three_member_etcd() {
             let read = async {
                 let mut c = etcd_client::Client::connect([ep.clone()], None).await.ok()?;
                 let value = c.get(key.clone(), None).await.ok()?.kvs().first()?.value().to_vec();
-                let pools = c.get(clusterip::store::etcd_pool::pool_prefix(&key), Some(etcd_client::GetOptions::new().with_prefix())).await.ok()?;
-                let listed: BTreeSet<IpAddr> = pools.kvs().iter().flat_map(|kv| clusterip::store::etcd_pool::decode_pool(kv.value())).collect();
+                let pools = c.get(clusterip::store::etcd::pool::pool_prefix(&key), Some(etcd_client::GetOptions::new().with_prefix())).await.ok()?;
+                let listed: BTreeSet<IpAddr> = pools.kvs().iter().flat_map(|kv| clusterip::store::etcd::pool::decode_pool(kv.value())).collect();
                 Some((clusterip::alloc::AllocationMap::restore(&cidr, &value).ok()?, listed))
             };
             if let Ok(Some(r)) = tokio::time::timeout(Duration::from_secs(10), read).await {

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::etcd::{owner_key, range_key, EtcdConfig, EtcdStore};
-use clusterip::store::etcd_pool::{claim_key, decode_pool, pool_member, pool_prefix};
+use clusterip::store::etcd::pool::{claim_key, decode_pool, pool_member, pool_prefix};
 use clusterip::store::{record_missing, AllocationStore, ParentRef, StoreError};
 use clusterip_test_support::{control_plane, local_get, unique_name, ControlPlane};
 use controller_common::{client_auth_args, controller_args, metric, Controller};

@@ -7,6 +7,8 @@
 
 pub mod cli;
 pub mod conntrack;
+/// The fuzz harnesses (feature `fuzzing`: tests/fuzz and tests/fuzz_corpora.rs).
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod healthz;

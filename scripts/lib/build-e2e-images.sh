@@ -7,7 +7,8 @@
 #                                                 then import them all into the node)
 #
 # The names come from `e2e.test --list-images` (written to target/images/e2e/list-images.txt);
-# scripts/build-images.sh builds each (targets e2e-agnhost, e2e-busybox, e2e-pause) into
+# scripts/build-images.sh builds each (targets e2e-agnhost, e2e-busybox, e2e-pause,
+# e2e-regression-issue-74839) into
 # target/images/e2e/<name>.oci.tar, and this fails when what it built is not a name the
 # suite lists (a version bump of the module changes them). --load: `scripts/node-cluster.sh
 # load-images target/images/e2e` (CLUSTERIP_NODE_DIR names the node, as for node-cluster.sh).
@@ -19,6 +20,8 @@
 #             1.37.0: the nearest thing made from Debian packages)
 #   pause     the node's pause image (Kubernetes' build/pause of the same release) under the
 #             suite's pause name
+#   regression-issue-74839   test/images/regression-issue-74839 of the same module (the
+#             conntrack test's prober) on Debian bookworm minbase, as upstream's debian-base
 #   coredns   not named by the suite but expected of the cluster (it resolves Service names):
 #             CoreDNS v<COREDNS_VERSION>, kubeadm's, as registry.k8s.io/coredns/coredns
 #             (`scripts/node-cluster.sh dns` deploys it)
@@ -56,18 +59,19 @@ newest() {
 agnhost=$(newest e2e-test-images/agnhost)
 busybox=$(newest e2e-test-images/busybox)
 pause=$(newest pause)
-log "the suite pulls $agnhost, $busybox, $pause"
+regression=$(newest e2e-test-images/regression-issue-74839)
+log "the suite pulls $agnhost, $busybox, $pause, $regression"
 
 # (--load builds only what has no archive yet.)
 build=()
-for i in e2e-agnhost e2e-busybox e2e-pause coredns; do
+for i in e2e-agnhost e2e-busybox e2e-pause e2e-regression-issue-74839 coredns; do
   [ -n "$load" ] && [ -f "$out/${i#e2e-}.oci.tar" ] || build+=("$i")
 done
 [ ${#build[@]} = 0 ] || E2E_BUSYBOX_TAG=${busybox##*:} E2E_PAUSE_TAG=${pause##*:} \
   "$repo/scripts/build-images.sh" "${build[@]}"
 
 # What was built is what the suite pulls (the archive's own reference name).
-for pair in "agnhost $agnhost" "busybox $busybox" "pause $pause"; do
+for pair in "agnhost $agnhost" "busybox $busybox" "pause $pause" "regression-issue-74839 $regression"; do
   read -r file ref <<< "$pair"
   name=$(tar -xOf "$out/$file.oci.tar" index.json |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')
@@ -76,5 +80,5 @@ done
 
 if [ -n "$load" ]; then
   "$repo/scripts/node-cluster.sh" load-images "$out"
-  log "loaded into the node: $agnhost $busybox $pause and CoreDNS"
+  log "loaded into the node: $agnhost $busybox $pause $regression and CoreDNS"
 fi

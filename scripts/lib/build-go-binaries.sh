@@ -6,8 +6,9 @@
 #   scripts/lib/build-go-binaries.sh kubelet|kube-controller-manager|kube-scheduler ...
 #   scripts/lib/build-go-binaries.sh containerd|cni-plugins|pause   (the one-node cluster's parts)
 #   scripts/lib/build-go-binaries.sh coredns      the node's cluster DNS (scripts/conformance.sh)
-#   scripts/lib/build-go-binaries.sh e2e.test|agnhost   Kubernetes' e2e suite (`go test -c` of
-#                                   k8s.io/kubernetes/test/e2e) and its agnhost image's binary
+#   scripts/lib/build-go-binaries.sh e2e.test|agnhost|regression-issue-74839   Kubernetes' e2e
+#                                   suite (`go test -c` of k8s.io/kubernetes/test/e2e) and its
+#                                   test images' programs
 #                                   (scripts/conformance.sh, scripts/lib/build-e2e-images.sh)
 #   scripts/lib/build-go-binaries.sh ginkgo   the ginkgo CLI at the version the e2e suite links
 #                                   (runs e2e.test in parallel: scripts/conformance.sh --procs)
@@ -194,17 +195,18 @@ build_ginkgo() {
   echo "$v" > "$out.version"
 }
 
-# agnhost (test/images/agnhost, a main package of the same module): the e2e suite's
-# all-purpose test server. Its version is test/images/agnhost/VERSION of the module.
-build_agnhost() {
-  local out="$k8s_dir/bin/agnhost"
+# The e2e suite's test images' programs (test/images/<name>, main packages of the same
+# module): agnhost, its all-purpose test server, and regression-issue-74839, the conntrack
+# test's raw-socket prober. An image's version is test/images/<name>/VERSION of the module.
+build_e2e_image_binary() {
+  local name=$1 out="$k8s_dir/bin/$1"
   [ -x "$out" ] && return 0
   lock_cache
   [ -x "$out" ] && return 0
   local mod; mod=$(k8s_e2e_module)
   mkdir -p "$k8s_dir/bin"
-  log "building agnhost (Kubernetes v$K8S_VERSION's test/images/agnhost) from Go modules"
-  ( cd "$mod" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" k8s.io/kubernetes/test/images/agnhost ) >&2
+  log "building $name (Kubernetes v$K8S_VERSION's test/images/$name) from Go modules"
+  ( cd "$mod" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" "k8s.io/kubernetes/test/images/$name" ) >&2
   mv "$out.tmp" "$out"
 }
 
@@ -455,7 +457,7 @@ for what in "$@"; do
     prometheus-operator-crds) fetch_prometheus_operator_crds ;;
     ipallocbench) build_ipallocbench ;;
     e2e.test) build_e2e_test ;;
-    agnhost) build_agnhost ;;
+    agnhost|regression-issue-74839) build_e2e_image_binary "$what" ;;
     ginkgo) build_ginkgo ;;
     etcd) build_etcd ;;
     k8s-module) k8s_module ;;

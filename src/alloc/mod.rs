@@ -202,6 +202,11 @@ impl AllocationMap {
         snapshot::decode(cidr, bytes)
     }
 
+    /// A map from a snapshot of whatever range its header names.
+    pub fn restore_stored(bytes: &[u8]) -> Result<Self, AllocError> {
+        snapshot::decode(&snapshot::stored_cidr(bytes)?, bytes)
+    }
+
     /// A map from Kubernetes' RangeAllocation `data` (big-endian big integer, bit i = offset i).
     pub fn from_range_allocation(cidr: &ServiceCidr, data: &[u8]) -> Result<Self, AllocError> {
         snapshot::from_range_allocation(cidr, data)

@@ -91,6 +91,28 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The range a version-1 snapshot is of, from its header.
+pub fn stored_cidr(bytes: &[u8]) -> Result<ServiceCidr, AllocError> {
+    let mut r = Reader { rest: bytes };
+    if r.take(4, "magic")? != MAGIC {
+        return Err(err("not a clusterip allocation snapshot (want magic \"CIPM\")"));
+    }
+    r.take(1, "version")?;
+    let head = r.take(2, "family and prefix")?;
+    let (family, prefix) = (head[0], head[1]);
+    let n = r.take(16, "network")?;
+    let network: std::net::IpAddr = match family {
+        4 => std::net::Ipv4Addr::new(n[12], n[13], n[14], n[15]).into(),
+        6 => {
+            let mut o = [0u8; 16];
+            o.copy_from_slice(n);
+            std::net::Ipv6Addr::from(o).into()
+        }
+        f => return Err(err(format!("snapshot of unknown family {f}"))),
+    };
+    ServiceCidr::parse(&format!("{network}/{prefix}")).map_err(|e| err(format!("snapshot header names no range: {e}")))
+}
+
 /// Reads a version-1 snapshot of `cidr`.
 pub fn decode(cidr: &ServiceCidr, bytes: &[u8]) -> Result<AllocationMap, AllocError> {
     let mut r = Reader { rest: bytes };

@@ -9,7 +9,7 @@ use futures::StreamExt;
 use crate::cidr::{self, Family};
 use crate::store::{AllocationStore, ParentRef};
 
-use super::backend::BackendArgs;
+use super::backend::{BackendArgs, Role};
 
 #[derive(Debug, clap::Args)]
 pub struct AllocateArgs {
@@ -91,7 +91,7 @@ pub fn parse_parent(s: &str) -> anyhow::Result<ParentRef> {
 pub async fn allocate(args: AllocateArgs) -> anyhow::Result<i32> {
     let ips = args.ips.iter().map(|s| cidr::parse_ip(s).map_err(|e| anyhow::anyhow!("--ip {s}: {e}"))).collect::<anyhow::Result<Vec<IpAddr>>>()?;
     let parent = args.parent.as_deref().map(parse_parent).transpose()?;
-    let store = args.backend.open_with_pool(args.etcd_address_pool).await?;
+    let store = args.backend.build(Role::Command { etcd_address_pool: args.etcd_address_pool }).await?.store;
     let family = match args.family {
         Some(f) => f,
         None => store.ranges().first().map(|c| c.family()).unwrap_or(Family::IPv4),
@@ -142,7 +142,7 @@ pub async fn allocate(args: AllocateArgs) -> anyhow::Result<i32> {
 pub async fn release(args: ReleaseArgs) -> anyhow::Result<i32> {
     let ips = args.ips.iter().map(|s| cidr::parse_ip(s).map_err(|e| anyhow::anyhow!("{s}: {e}"))).collect::<anyhow::Result<Vec<IpAddr>>>()?;
     let parent = args.parent.as_deref().map(parse_parent).transpose()?;
-    let store = args.backend.open().await?;
+    let store = args.backend.build(Role::Command { etcd_address_pool: 0 }).await?.store;
     let mut failed = 0;
     for ip in ips {
         let released = match &parent {

@@ -1,13 +1,22 @@
 //! Flags that choose and configure the allocation backend, shared by every subcommand that
-//! reads or writes allocation records.
+//! reads or writes allocation records, and the one factory that turns them into a backend
+//! ([`BackendArgs::build`]: the store for a role, its seeding, what repair reads).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
 
+use std::time::Duration;
+
+use tracing::{info, warn};
+
 use crate::cidr::ServiceCidr;
+use crate::metrics::{MeteredStore, Metrics};
+use crate::repair::Target;
 use crate::store::etcd::{EtcdArgs, EtcdStore};
+use crate::store::ipaddress::apiserver_ips::ApiserverIps;
+use crate::store::ipaddress::blocks::{BlockOptions, BlockStore};
 use crate::store::ipaddress::{IpAddressConfig, IpAddressStore, DEFAULT_MANAGER};
 use crate::store::AllocationStore;
 pub use crate::store::BackendKind;
@@ -59,39 +68,185 @@ impl BackendArgs {
         Ok(ranges)
     }
 
-    /// Open the chosen backend.
-    pub async fn open(&self) -> anyhow::Result<Arc<dyn AllocationStore>> {
-        self.open_with_pool(0).await
-    }
-
-    /// Open the chosen backend; the etcd backend keeps an address pool of `pool_size`
-    /// addresses per range (0 = none; see `clusterip controller --etcd-address-pool`).
-    pub async fn open_with_pool(&self, pool_size: usize) -> anyhow::Result<Arc<dyn AllocationStore>> {
+    /// Build the chosen backend for `role`: its store, seeded as the role needs, and what the
+    /// repair pass reads. The one place a backend name becomes a store (see
+    /// [`crate::store::ipaddress`] for which IPAddress store runs where); a flag the chosen
+    /// store does not honour is refused.
+    pub async fn build(&self, role: Role<'_>) -> anyhow::Result<Backend> {
+        self.refuse_unhonoured(&role)?;
         let ranges = self.ranges()?;
-        match self.backend {
-            BackendKind::Etcd => {
-                if ranges.is_empty() {
-                    anyhow::bail!("the etcd backend needs at least one --service-cidr");
-                }
-                let mut cfg: crate::store::etcd::EtcdConfig = self.etcd.clone().into();
-                cfg.pool_size = pool_size;
-                let store = EtcdStore::open(&cfg, ranges).await?;
-                Ok(Arc::new(store))
+        let (store, records_apart): (Arc<dyn AllocationStore>, _) = match (self.backend, &role) {
+            (BackendKind::Etcd, _) => {
+                let pool = match &role {
+                    Role::Controller(c) => c.etcd_address_pool.unwrap_or(DEFAULT_ETCD_ADDRESS_POOL),
+                    Role::Command { etcd_address_pool } => *etcd_address_pool,
+                };
+                let store = self.open_etcd(ranges, pool).await?;
+                // The maps do not count the cluster's IPAddress objects by themselves: a
+                // replica records the ones in our ranges it lacks, and reports unreadable ones.
+                let apart = match &role {
+                    Role::Controller(c) => {
+                        seed(store.as_ref(), c.recorded).await;
+                        Some(c.recorded.clone())
+                    }
+                    Role::Command { .. } => None,
+                };
+                (store, apart)
             }
-            BackendKind::Ipaddress => {
+            (BackendKind::Ipaddress, Role::Controller(c)) => {
+                if ranges.is_empty() {
+                    anyhow::bail!("the controller needs --service-cidr: the ranges it assigns Service addresses from");
+                }
+                let options = BlockOptions::new(c.address_block_size, c.address_block_lease_duration, c.address_block_margin).map_err(anyhow::Error::msg)?;
+                // (The blocks count every IPAddress object as allocated and report unreadable ones.)
+                let store: Arc<dyn AllocationStore> = BlockStore::open(c.client.clone(), c.namespace, ranges, c.recorded.clone(), c.identity, options).await?;
+                (store, None)
+            }
+            (BackendKind::Ipaddress, Role::Command { .. }) => {
                 if ranges.is_empty() && !self.use_servicecidrs {
                     anyhow::bail!("the ipaddress backend needs --service-cidr, --use-servicecidrs, or both");
                 }
                 let client = kube_client(self.kubeconfig.as_deref()).await?;
-                let cfg = IpAddressConfig {
-                    ranges,
-                    use_servicecidrs: self.use_servicecidrs,
-                    manager: self.manager.clone(),
-                    ..Default::default()
-                };
-                Ok(Arc::new(IpAddressStore::open(client, cfg).await?))
+                let cfg = IpAddressConfig { ranges, use_servicecidrs: self.use_servicecidrs, manager: self.manager.clone(), ..Default::default() };
+                (Arc::new(IpAddressStore::open(client, cfg).await?) as Arc<dyn AllocationStore>, None)
+            }
+        };
+        let repair = self.repair_target_of(Some(&store))?;
+        Ok(Backend { kind: self.backend, store, records_apart, repair })
+    }
+
+    /// What `clusterip repair` judges: the etcd backend's maps (its store opened without a
+    /// pool), or the IPAddress objects themselves (no store opened).
+    pub async fn repair_target(&self) -> anyhow::Result<Target> {
+        self.refuse_unhonoured(&Role::Command { etcd_address_pool: 0 })?;
+        match self.backend {
+            BackendKind::Etcd => Ok(Target::Etcd(self.open_etcd(self.ranges()?, 0).await?)),
+            BackendKind::Ipaddress => self.repair_target_of(None),
+        }
+    }
+
+    fn repair_target_of(&self, etcd_store: Option<&Arc<dyn AllocationStore>>) -> anyhow::Result<Target> {
+        match (self.backend, etcd_store) {
+            (BackendKind::Etcd, Some(store)) => Ok(Target::Etcd(store.clone())),
+            (BackendKind::Etcd, None) => anyhow::bail!("the etcd backend's repair target needs its store"),
+            (BackendKind::Ipaddress, _) => {
+                let ranges = self.ranges()?;
+                if ranges.is_empty() && !self.use_servicecidrs {
+                    anyhow::bail!("the ipaddress backend needs --service-cidr, --use-servicecidrs, or both");
+                }
+                Ok(Target::IpAddress { manager: self.manager.clone(), ranges, use_servicecidrs: self.use_servicecidrs })
             }
         }
+    }
+
+    async fn open_etcd(&self, ranges: Vec<ServiceCidr>, pool_size: usize) -> anyhow::Result<Arc<dyn AllocationStore>> {
+        if ranges.is_empty() {
+            anyhow::bail!("the etcd backend needs at least one --service-cidr");
+        }
+        let mut cfg: crate::store::etcd::EtcdConfig = self.etcd.clone().into();
+        cfg.pool_size = pool_size;
+        Ok(Arc::new(EtcdStore::open(&cfg, ranges).await?))
+    }
+
+    /// A flag the store chosen for `role` would not honour, refused rather than ignored.
+    fn refuse_unhonoured(&self, role: &Role<'_>) -> anyhow::Result<()> {
+        let controller = match role {
+            Role::Controller(c) => Some((c.etcd_address_pool, c.address_block_size)),
+            Role::Command { etcd_address_pool: 0 } => None,
+            Role::Command { etcd_address_pool } => Some((Some(*etcd_address_pool), None)).filter(|_| self.backend == BackendKind::Ipaddress),
+        };
+        refuse_unhonoured(self.backend, self.use_servicecidrs && role.is_controller(), self.use_servicecidrs, controller)
+    }
+}
+
+/// The rules of [`BackendArgs::refuse_unhonoured`], on the flags alone: `pool_and_blocks`
+/// holds `--etcd-address-pool` and `--address-block-size` where they were given.
+fn refuse_unhonoured(backend: BackendKind, controller_servicecidrs: bool, use_servicecidrs: bool, pool_and_blocks: Option<(Option<usize>, Option<u64>)>) -> anyhow::Result<()> {
+    if use_servicecidrs && backend == BackendKind::Etcd {
+        anyhow::bail!("--use-servicecidrs needs --backend ipaddress: the etcd backend allocates from --service-cidr only");
+    }
+    if controller_servicecidrs {
+        anyhow::bail!("the controller does not take --use-servicecidrs: it assigns Service addresses from --service-cidr only (its address blocks are cut from those ranges); name every range with --service-cidr");
+    }
+    let Some((etcd_address_pool, address_block_size)) = pool_and_blocks else { return Ok(()) };
+    match backend {
+        BackendKind::Etcd if address_block_size.is_some() => {
+            anyhow::bail!("--address-block-size needs --backend ipaddress: the etcd backend answers from an address pool (--etcd-address-pool)")
+        }
+        BackendKind::Ipaddress if etcd_address_pool.is_some() => {
+            anyhow::bail!("--etcd-address-pool needs --backend etcd: the ipaddress backend keeps no address pool")
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The etcd address pool per range a controller keeps unless `--etcd-address-pool` says.
+pub const DEFAULT_ETCD_ADDRESS_POOL: usize = 1024;
+
+/// Who runs the backend: that decides the store a backend name opens.
+pub enum Role<'a> {
+    /// A controller replica (`clusterip controller`): the etcd backend with an address pool,
+    /// seeded from the cluster's IPAddress objects; the ipaddress backend's address blocks.
+    Controller(ReplicaBackend<'a>),
+    /// A one-shot command (`allocate`, `release`): the etcd backend with an address pool of
+    /// this size (0: none); the ipaddress backend's object writer.
+    Command { etcd_address_pool: usize },
+}
+
+impl Role<'_> {
+    fn is_controller(&self) -> bool {
+        matches!(self, Role::Controller(_))
+    }
+}
+
+/// What a controller replica's backend needs beside [`BackendArgs`].
+pub struct ReplicaBackend<'a> {
+    pub client: &'a kube::Client,
+    /// The cluster's IPAddress objects (already synced).
+    pub recorded: &'a ApiserverIps,
+    /// The replica's identity (in its block Leases).
+    pub identity: &'a str,
+    /// Where the block Leases live.
+    pub namespace: &'a str,
+    /// `--etcd-address-pool` as given (None: [`DEFAULT_ETCD_ADDRESS_POOL`]).
+    pub etcd_address_pool: Option<usize>,
+    pub address_block_size: Option<u64>,
+    pub address_block_lease_duration: Duration,
+    pub address_block_margin: Duration,
+}
+
+/// A backend as a command runs it.
+pub struct Backend {
+    pub kind: BackendKind,
+    pub store: Arc<dyn AllocationStore>,
+    /// The IPAddress view the store's records do not already count (the etcd backend's maps
+    /// in a controller): its unreadable objects are reported beside the store's.
+    pub records_apart: Option<ApiserverIps>,
+    /// What the repair pass judges.
+    pub repair: Target,
+}
+
+impl Backend {
+    /// The store behind the metrics decorator, which also reports what the store does not
+    /// count itself ([`Self::records_apart`]).
+    pub fn metered(&self, metrics: Arc<Metrics>) -> Arc<MeteredStore> {
+        let store = MeteredStore::new(self.store.clone(), metrics);
+        Arc::new(match &self.records_apart {
+            Some(recorded) => store.with_recorded(recorded.clone()),
+            None => store,
+        })
+    }
+}
+
+/// Record what the cluster already uses in our ranges and the maps lack, in one
+/// group-committed batch, not a transaction per address.
+async fn seed(store: &dyn AllocationStore, recorded: &ApiserverIps) {
+    let (seeded, failed) = crate::store::record_missing(store, recorded.snapshot()).await;
+    if seeded > 0 {
+        info!(seeded, "recorded addresses the cluster already uses in our ranges");
+    }
+    if let Some((ip, e)) = failed.first() {
+        warn!(failed = failed.len(), first = %ip, error = %e, "could not record addresses the cluster already uses; the Service reconciler and the repair pass retry");
     }
 }
 
@@ -107,4 +262,26 @@ pub async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result
         None => kube::Config::infer().await.context("no kubeconfig given and none found (KUBECONFIG, ~/.kube/config, in-cluster)")?,
     };
     kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{refuse_unhonoured, BackendKind};
+
+    fn refused(backend: BackendKind, controller: bool, use_servicecidrs: bool, pool_and_blocks: Option<(Option<usize>, Option<u64>)>) -> Option<String> {
+        refuse_unhonoured(backend, controller && use_servicecidrs, use_servicecidrs, pool_and_blocks).err().map(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_flag_the_chosen_store_does_not_honour_is_refused() {
+        // --use-servicecidrs: only the one-shot commands' IPAddress store reads ServiceCIDRs.
+        assert_eq!(refused(BackendKind::Ipaddress, false, true, None), None);
+        assert!(refused(BackendKind::Etcd, false, true, None).is_some_and(|e| e.starts_with("--use-servicecidrs needs --backend ipaddress")));
+        assert!(refused(BackendKind::Ipaddress, true, true, Some((None, None))).is_some_and(|e| e.starts_with("the controller does not take --use-servicecidrs")));
+        // Each backend's own way of answering from memory.
+        assert!(refused(BackendKind::Etcd, true, false, Some((None, Some(32)))).is_some_and(|e| e.starts_with("--address-block-size needs --backend ipaddress")));
+        assert!(refused(BackendKind::Ipaddress, true, false, Some((Some(0), None))).is_some_and(|e| e.starts_with("--etcd-address-pool needs --backend etcd")));
+        assert_eq!(refused(BackendKind::Etcd, true, false, Some((Some(64), None))), None);
+        assert_eq!(refused(BackendKind::Ipaddress, true, false, Some((None, Some(32)))), None);
+    }
 }

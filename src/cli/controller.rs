@@ -13,16 +13,15 @@ use tracing::info;
 use crate::controller::events::ServiceEvents;
 use crate::controller::leader::{self, ElectionConfig};
 use crate::controller::supervise::{self, Ended};
-use crate::controller::{servicecidrs, services};
-use crate::metrics::{MeteredStore, Metrics};
-use crate::repair::{self, Repairer, Target};
-use crate::webhook::admission::Admission;
-use crate::store::apiserver_ips::ApiserverIps;
+use crate::metrics::Metrics;
 use crate::serve;
+use crate::store::ipaddress::apiserver_ips::ApiserverIps;
+use crate::store::AllocationStore as _;
+use crate::webhook::admission::Admission;
 use crate::webhook::{server, tls};
 
-use super::backend::{BackendArgs, BackendKind};
-use crate::store::blocks::{BlockOptions, BlockStore};
+use super::backend::{kube_client, BackendArgs, BackendKind, ReplicaBackend, Role};
+use super::reconcilers::Reconcilers;
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
@@ -33,9 +32,10 @@ pub struct ControllerArgs {
     /// hands out from memory, so a dynamic admission does not wait for an etcd write. Pooled
     /// addresses are free, not leaks: they are listed under a pool key on this replica's etcd
     /// lease and returned on shutdown. Capped per range at an eighth of its dynamic band.
-    /// 0 = allocate with one etcd transaction per admission.
-    #[arg(long, default_value_t = 1024, value_parser = parse_pool)]
-    pub etcd_address_pool: usize,
+    /// 0 = allocate with one etcd transaction per admission. Default 1024. Refused with
+    /// the ipaddress backend.
+    #[arg(long, value_parser = parse_pool)]
+    pub etcd_address_pool: Option<usize>,
 
     /// (ipaddress backend) Addresses per block. Each replica answers dynamic requests from
     /// blocks of the range it holds exclusively (a Lease `clusterip-block-…` per block in
@@ -57,6 +57,13 @@ pub struct ControllerArgs {
     /// default): the longest an answered address can stay unrecorded.
     #[arg(long, default_value = "75s", value_parser = parse_timeout)]
     pub address_block_margin: std::time::Duration,
+
+    /// The kube-apiserver's --request-timeout (Kubernetes' default 1m0s): the longest a
+    /// create can stay in the apiserver after our webhook answered it. No API tells it, so
+    /// state it here when the apiserver's is raised. The controller refuses to start unless
+    /// --in-flight-limit and (ipaddress backend) --address-block-margin exceed it.
+    #[arg(long, default_value = "60s", value_parser = parse_timeout)]
+    pub apiserver_request_timeout: std::time::Duration,
 
     /// Address of the HTTPS admission webhook (POST /mutate, POST /validate). Port 0 picks
     /// a free port; the "clusterip controller started" log line names the one bound.
@@ -209,6 +216,27 @@ fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
     }
 }
 
+/// The timing rules that rest on the kube-apiserver's request timeout T: an answered address
+/// is kept in flight longer than T (`--in-flight-limit`), and a block holder stops answering
+/// more than T before anyone may take its block over (`--address-block-margin`, ipaddress
+/// backend). The error names both values.
+fn check_request_timeout(args: &ControllerArgs) -> Result<(), String> {
+    let t = args.apiserver_request_timeout;
+    if args.in_flight_limit <= t {
+        return Err(format!(
+            "--in-flight-limit {:?} must exceed --apiserver-request-timeout {t:?} (the kube-apiserver's --request-timeout): an address answered by the webhook can stay unrecorded that long, and releasing it sooner could give it to two Services",
+            args.in_flight_limit
+        ));
+    }
+    if args.backend.backend == BackendKind::Ipaddress && args.address_block_margin <= t {
+        return Err(format!(
+            "--address-block-margin {:?} must exceed --apiserver-request-timeout {t:?} (the kube-apiserver's --request-timeout): a block holder stops answering this long before another replica may take the block over, and every answer must be stored (or failed) by then; raise --address-block-margin and --address-block-lease-duration",
+            args.address_block_margin
+        ));
+    }
+    Ok(())
+}
+
 fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "clusterip".into());
     format!("{host}-{}", std::process::id())
@@ -219,210 +247,66 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let client_auth = tls::ClientAuth::new(args.client_ca_file.clone(), args.allowed_client_names.clone()).map_err(anyhow::Error::msg)?;
     let tls = tls::server_config(args.tls_cert_file.clone(), args.tls_private_key_file.clone(), client_auth).map_err(anyhow::Error::msg)?;
     let identity = args.leader_elect_identity.clone().unwrap_or_else(default_identity);
-    let election = ElectionConfig {
-        namespace: args.leader_elect_namespace.clone(),
-        name: args.leader_elect_lease_name.clone(),
-        identity: identity.clone(),
-        lease_duration: args.leader_elect_lease_duration,
-        renew_deadline: args.leader_elect_renew_deadline,
-        retry_period: args.leader_elect_retry_period,
-    };
-    if args.leader_elect {
-        election.validate().map_err(anyhow::Error::msg)?;
-    }
+    let election = election_config(&args, &identity)?;
+    check_request_timeout(&args).map_err(anyhow::Error::msg)?;
 
     // What the cluster already records (the kube-apiserver's own allocations included):
-    // never handed out, and recorded in our backend so the two agree.
-    let client = super::backend::kube_client(args.backend.kubeconfig.as_deref()).await?;
-    let (recorded, mut synced, _watch) = ApiserverIps::start(client.clone());
-    tokio::time::timeout(std::time::Duration::from_secs(60), synced.wait_for(|s| *s))
-        .await
-        .context("the IPAddress list did not arrive within 60s: is the kube-apiserver reachable?")?
-        .context("IPAddress watch stopped")?;
-    // Service addresses: with the etcd backend our allocation map is the reservation; with
-    // the ipaddress backend the apiserver's own IPAddress object is the record and each
-    // replica picks only inside address blocks it holds (see docs/backends.md).
-    let store: Arc<dyn crate::store::AllocationStore> = match args.backend.backend {
-        BackendKind::Etcd => args.backend.open_with_pool(args.etcd_address_pool).await?,
-        BackendKind::Ipaddress => {
-            let ranges = args.backend.ranges()?;
-            if ranges.is_empty() {
-                anyhow::bail!("the controller needs --service-cidr: the ranges it assigns Service addresses from");
-            }
-            let options = BlockOptions::new(args.address_block_size, args.address_block_lease_duration, args.address_block_margin).map_err(anyhow::Error::msg)?;
-            BlockStore::open(client.clone(), &args.leader_elect_namespace, ranges, recorded.clone(), &identity, options).await?
-        }
-    };
-    let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
-    if args.backend.backend == BackendKind::Etcd {
-        // (The ipaddress backend already counts every IPAddress object as allocated.) Only
-        // what the map lacks, in one group-committed batch, not a transaction per address.
-        let (seeded, failed) = crate::store::record_missing(store.as_ref(), recorded.snapshot()).await;
-        if seeded > 0 {
-            info!(seeded, "recorded addresses the cluster already uses in our ranges");
-        }
-        if let Some((ip, e)) = failed.first() {
-            tracing::warn!(failed = failed.len(), first = %ip, error = %e, "could not record addresses the cluster already uses; the Service reconciler and the repair pass retry");
-        }
-    }
-    // (The ipaddress backend reports unreadable IPAddress objects itself.)
-    let store = match args.backend.backend {
-        BackendKind::Etcd => Arc::new(MeteredStore::new(store, metrics.clone()).with_recorded(recorded.clone())),
-        BackendKind::Ipaddress => Arc::new(MeteredStore::new(store, metrics.clone())),
-    };
+    // never handed out; the backend (docs/backends.md) is built beside it.
+    let client = kube_client(args.backend.kubeconfig.as_deref()).await?;
+    let recorded = watch_records(client.clone()).await?;
+    let backend = args.backend.build(Role::Controller(replica_backend(&args, &client, &recorded, &identity))).await?;
+    let store = backend.metered(metrics.clone());
     let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit).with_metrics(metrics.clone()));
-    // An answered address whose create fails later goes back as the apiserver releases its
-    // own record of it; the sweep below catches what that misses.
-    let _failed_creates = tokio::spawn(admission.clone().follow_records(recorded.changes()));
-    // Answered addresses the apiserver never records (the request failed later) go back
-    // after the in-flight limit; every replica sweeps its own.
-    let _in_flight = {
-        let admission = admission.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval((args.in_flight_limit / 4).clamp(std::time::Duration::from_secs(1), std::time::Duration::from_secs(10)));
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                every.tick().await;
-                let swept = admission.sweep_in_flight().await;
-                if !swept.released.is_empty() {
-                    info!(released = swept.released.len(), waiting = swept.waiting, "released addresses whose Service was never stored");
-                }
-            }
-        })
-    };
+    let _admission_tasks = settle_answers(&admission, &recorded, args.in_flight_limit);
 
-    let webhook = TcpListener::bind(args.webhook_bind_address)
-        .await
-        .with_context(|| format!("binding the webhook to {}", args.webhook_bind_address))?;
-    let metrics_listener = TcpListener::bind(args.metrics_bind_address)
-        .await
-        .with_context(|| format!("binding metrics to {}", args.metrics_bind_address))?;
-    let probe_listener = TcpListener::bind(args.health_probe_bind_address)
-        .await
-        .with_context(|| format!("binding the health probes to {}", args.health_probe_bind_address))?;
-    // (Port 0 picks a free port; this line names the ones bound.)
-    let webhook_addr = webhook.local_addr().context("the webhook's bound address")?;
-    let metrics_addr = metrics_listener.local_addr().context("the metrics endpoint's bound address")?;
-    let health_addr = probe_listener.local_addr().context("the health probes' bound address")?;
-    info!(backend = ?args.backend.backend, ranges = %ranges.join(","), webhook = %webhook_addr, metrics = %metrics_addr, health = %health_addr, "clusterip controller started");
+    let listeners = Listeners::bind(&args).await?;
+    let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
+    info!(backend = ?backend.kind, ranges = %ranges.join(","), webhook = %listeners.webhook_addr, metrics = %listeners.metrics_addr, health = %listeners.health_addr, "clusterip controller started");
 
     // Shutdown (SIGTERM): `draining` turns /readyz to 503 at once; `stop` closes the webhook's
     // listener after --shutdown-delay-duration and drains its connections.
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let limits = serve::Limits {
-        read_timeout: args.webhook_read_timeout,
-        max_connections: args.webhook_max_connections as usize,
-        max_unauthenticated_per_source: args.webhook_max_unauthenticated_connections_per_source as usize,
-        max_streams: args.http2_max_streams_per_connection,
-        ..serve::Limits::default()
-    };
     let hook = server::Webhook { admission, metrics: metrics.clone(), body_timeout: args.webhook_read_timeout, draining: draining.clone() };
-    let mut web = server::serve_on_own_thread(webhook, tls, hook, limits, stop_rx, args.shutdown_drain_timeout).context("starting the webhook thread")?;
-    let events = ServiceEvents::new(client.clone(), Some(identity.clone()));
-    // The repair pass judges the etcd backend's maps, or IPAddress objects (ours changed,
-    // everyone's read) with the ipaddress backend.
-    let repair_target = match args.backend.backend {
-        BackendKind::Etcd => Target::Etcd(store.clone()),
-        BackendKind::Ipaddress => Target::IpAddress {
-            manager: args.backend.manager.clone(),
-            ranges: args.backend.ranges()?,
-            use_servicecidrs: args.backend.use_servicecidrs,
-        },
-    };
-    let (repair_interval, repair_grace) = (args.repair_interval, args.repair_grace_period);
-    let reconcilers = {
-        let (client, store, metrics, identity, recorded) = (client.clone(), store.clone(), metrics.clone(), identity.clone(), recorded.clone());
-        move || -> tokio::task::JoinHandle<()> {
-            let store: Arc<dyn crate::store::AllocationStore> = store.clone();
-            let cidr_ctx = Arc::new(servicecidrs::Context { client: client.clone(), store: store.clone(), metrics: metrics.clone() });
-            let svc = services::run(client.clone(), store, recorded.clone(), events.clone(), metrics.clone());
-            let repair = (!repair_interval.is_zero()).then(|| {
-                let repairer = Repairer::new(client.clone(), repair_target.clone())
-                    .with_grace(repair_grace)
-                    .with_events(Some(identity.clone()))
-                    .with_metrics(metrics.clone());
-                repair::run_loop(repairer, repair_interval)
-            });
-            tokio::spawn(async move {
-                let repair = async move {
-                    if let Some(r) = repair {
-                        r.await
-                    }
-                };
-                tokio::join!(svc, servicecidrs::run(cidr_ctx), repair);
-            })
-        }
+    let mut web = server::serve_on_own_thread(listeners.webhook, tls, hook, webhook_limits(&args), stop_rx, args.shutdown_drain_timeout).context("starting the webhook thread")?;
+    let reconcilers = Reconcilers {
+        client: client.clone(),
+        store: store.clone(),
+        recorded,
+        events: ServiceEvents::new(client.clone(), Some(identity.clone())),
+        metrics: metrics.clone(),
+        identity: identity.clone(),
+        repair_target: backend.repair,
+        repair_interval: args.repair_interval,
+        repair_grace: args.repair_grace_period,
     };
     let mut signals = Signals::new()?;
-    // Leader election: the reconcilers run exactly while we lead (supervise.rs). The election
-    // has a client of its own, so its requests never queue behind the watches'.
-    let lease_name = format!("{}/{}", election.namespace, election.name);
-    let (mut elected, stop_election, _unelected) = if args.leader_elect {
-        let election_client = super::backend::kube_client(args.backend.kubeconfig.as_deref()).await?;
-        let (tx, leading) = tokio::sync::watch::channel(false);
-        let (stop_election, stopped) = tokio::sync::watch::channel(false);
-        let api = kube::Api::namespaced(election_client, &election.namespace);
-        let task = tokio::spawn(leader::run(api, election, tx, stopped));
-        metrics.set_leading(&lease_name, false);
-        (Some((task, leading)), Some(stop_election), None)
-    } else {
-        (None, None, Some(reconcilers()))
-    };
-    let report = |lead: bool| {
-        metrics.set_leading(&lease_name, lead);
-        if lead {
-            info!(lease = %lease_name, identity = %identity, leading = true, "leadership changed: reconcilers started");
-        } else {
-            info!(lease = %lease_name, identity = %identity, leading = false, "leadership changed: reconcilers stopped");
-        }
+    let mut election = match args.leader_elect {
+        true => Some(Election::start(&args, election, &metrics).await?),
+        false => None,
     };
     let health = super::monitoring::Health::new(store.clone(), metrics.clone(), draining.clone());
-    let mut mon = tokio::spawn(super::monitoring::serve_metrics(metrics_listener, health.clone()));
-    let mut probes = tokio::spawn(super::monitoring::serve_probes(probe_listener, health));
+    let mon = tokio::spawn(super::monitoring::serve_metrics(listeners.metrics, health.clone()));
+    let probes = tokio::spawn(super::monitoring::serve_probes(listeners.probes, health));
     // Until a signal: the reconcilers follow the election; a dead election, webhook or metrics
     // server ends the process (with the reconcilers stopped first).
-    let which = {
-        let stopping = async {
-            tokio::select! {
-                r = &mut web => Err(anyhow::anyhow!("webhook server stopped: {}", r.unwrap_or_else(|_| "its thread panicked".into()))),
-                r = &mut mon => Err(match r {
-                    Ok(()) => anyhow::anyhow!("metrics server stopped"),
-                    Err(e) => anyhow::anyhow!("metrics server stopped: {e}"),
-                }),
-                r = &mut probes => Err(match r {
-                    Ok(()) => anyhow::anyhow!("health probe server stopped"),
-                    Err(e) => anyhow::anyhow!("health probe server stopped: {e}"),
-                }),
-                which = signals.next() => Ok(which),
-            }
-        };
-        match elected.as_mut() {
-            Some((task, leading)) => {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                let stopping = async move {
-                    let _ = tx.send(stopping.await);
-                };
-                match supervise::supervise(task, leading.clone(), &reconcilers, report, stopping).await {
-                    Ended::Shutdown => rx.await.unwrap_or_else(|_| Err(anyhow::anyhow!("shutdown signal lost")))?,
-                    Ended::Election(why) => {
-                        tracing::error!(lease = %lease_name, "{why}; the reconcilers are stopped; exiting so that the pod is restarted");
-                        return Ok(1);
-                    }
-                }
-            }
-            None => stopping.await?,
+    let stopping = until_stopped(&mut web, mon, probes, &mut signals);
+    let which = match election.as_mut() {
+        Some(election) => match election.lead(&reconcilers, &metrics, &identity, stopping).await? {
+            Some(which) => which,
+            None => return Ok(1),
+        },
+        None => {
+            let _unelected = reconcilers.start();
+            stopping.await?
         }
     };
     info!(signal = which, delay = ?args.shutdown_delay_duration, "shutting down: /readyz reports 503; serving on until the delay has passed");
     draining.store(true, Ordering::SeqCst);
     // The reconcilers are stopped (supervise returned): hand the Lease over at once
     // (client-go's ReleaseOnCancel), while the webhook serves on through the delay.
-    if let (Some(stop), Some((task, _))) = (stop_election, elected.as_mut()) {
-        let _ = stop.send(true);
-        if tokio::time::timeout(args.leader_elect_renew_deadline, task).await.is_err() {
-            tracing::warn!(lease = %lease_name, "the leader election did not stop within the renew deadline; another replica takes over once the Lease expires");
-        }
+    if let Some(election) = election {
+        election.release(args.leader_elect_renew_deadline).await;
     }
     // Keep serving while the webhook Service's endpoints drop this replica (a second signal
     // cuts the wait short).
@@ -438,13 +322,200 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         Ok(_) => info!("webhook stopped"),
         Err(_) => tracing::warn!("the webhook thread did not stop within the drain timeout; exiting anyway"),
     }
-    // Hand back what was held ahead of need (the etcd backend's address pool), so it is
-    // free at once instead of after the lease TTL and the repair pass.
+    // Hand back what was held ahead of need (the etcd backend's address pool, the address
+    // blocks), so it is free at once instead of after its lease and the repair pass.
     if let Err(e) = crate::store::AllocationStore::close(store.as_ref()).await {
         tracing::warn!(error = %e, "could not return the address pool; its lease expires and the repair pass reclaims it");
     }
     info!("stopped");
     Ok(0)
+}
+
+/// The leader election's settings (checked when the election is on).
+fn election_config(args: &ControllerArgs, identity: &str) -> anyhow::Result<ElectionConfig> {
+    let election = ElectionConfig {
+        namespace: args.leader_elect_namespace.clone(),
+        name: args.leader_elect_lease_name.clone(),
+        identity: identity.to_string(),
+        lease_duration: args.leader_elect_lease_duration,
+        renew_deadline: args.leader_elect_renew_deadline,
+        retry_period: args.leader_elect_retry_period,
+    };
+    if args.leader_elect {
+        election.validate().map_err(anyhow::Error::msg)?;
+    }
+    Ok(election)
+}
+
+/// The cluster's IPAddress objects, watched; returns once the first list has arrived.
+async fn watch_records(client: kube::Client) -> anyhow::Result<ApiserverIps> {
+    let (recorded, mut synced, _watch) = ApiserverIps::start(client);
+    tokio::time::timeout(std::time::Duration::from_secs(60), synced.wait_for(|s| *s))
+        .await
+        .context("the IPAddress list did not arrive within 60s: is the kube-apiserver reachable?")?
+        .context("IPAddress watch stopped")?;
+    Ok(recorded)
+}
+
+/// What a replica's backend needs beside `--backend` and its flags.
+fn replica_backend<'a>(args: &'a ControllerArgs, client: &'a kube::Client, recorded: &'a ApiserverIps, identity: &'a str) -> ReplicaBackend<'a> {
+    ReplicaBackend {
+        client,
+        recorded,
+        identity,
+        namespace: &args.leader_elect_namespace,
+        etcd_address_pool: args.etcd_address_pool,
+        address_block_size: args.address_block_size,
+        address_block_lease_duration: args.address_block_lease_duration,
+        address_block_margin: args.address_block_margin,
+    }
+}
+
+/// Settle the webhook's answers: an answered address whose create fails later goes back as
+/// the apiserver releases its own record of it; a sweep every quarter of the in-flight
+/// limit (1 to 10 s) returns answered addresses the apiserver never recorded after the
+/// limit. Every replica settles its own.
+fn settle_answers(admission: &Arc<Admission>, recorded: &ApiserverIps, in_flight_limit: std::time::Duration) -> [tokio::task::JoinHandle<()>; 2] {
+    let failed_creates = tokio::spawn(admission.clone().follow_records(recorded.changes()));
+    let admission = admission.clone();
+    let sweep = tokio::spawn(async move {
+        let mut every = tokio::time::interval((in_flight_limit / 4).clamp(std::time::Duration::from_secs(1), std::time::Duration::from_secs(10)));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let swept = admission.sweep_in_flight().await;
+            if !swept.released.is_empty() {
+                info!(released = swept.released.len(), waiting = swept.waiting, "released addresses whose Service was never stored");
+            }
+        }
+    });
+    [failed_creates, sweep]
+}
+
+/// The controller's three listeners, bound (port 0 picks a free port; the addresses say
+/// which).
+struct Listeners {
+    webhook: TcpListener,
+    metrics: TcpListener,
+    probes: TcpListener,
+    webhook_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    health_addr: SocketAddr,
+}
+
+impl Listeners {
+    async fn bind(args: &ControllerArgs) -> anyhow::Result<Self> {
+        let webhook = TcpListener::bind(args.webhook_bind_address)
+            .await
+            .with_context(|| format!("binding the webhook to {}", args.webhook_bind_address))?;
+        let metrics = TcpListener::bind(args.metrics_bind_address)
+            .await
+            .with_context(|| format!("binding metrics to {}", args.metrics_bind_address))?;
+        let probes = TcpListener::bind(args.health_probe_bind_address)
+            .await
+            .with_context(|| format!("binding the health probes to {}", args.health_probe_bind_address))?;
+        Ok(Self {
+            webhook_addr: webhook.local_addr().context("the webhook's bound address")?,
+            metrics_addr: metrics.local_addr().context("the metrics endpoint's bound address")?,
+            health_addr: probes.local_addr().context("the health probes' bound address")?,
+            webhook,
+            metrics,
+            probes,
+        })
+    }
+}
+
+fn webhook_limits(args: &ControllerArgs) -> serve::Limits {
+    serve::Limits {
+        read_timeout: args.webhook_read_timeout,
+        max_connections: args.webhook_max_connections as usize,
+        max_unauthenticated_per_source: args.webhook_max_unauthenticated_connections_per_source as usize,
+        max_streams: args.http2_max_streams_per_connection,
+        ..serve::Limits::default()
+    }
+}
+
+/// Resolves with the signal that asks the controller to stop, or an error when the
+/// webhook, metrics or probe server stops by itself.
+async fn until_stopped(
+    web: &mut tokio::sync::oneshot::Receiver<String>,
+    mut mon: tokio::task::JoinHandle<()>,
+    mut probes: tokio::task::JoinHandle<()>,
+    signals: &mut Signals,
+) -> anyhow::Result<&'static str> {
+    tokio::select! {
+        r = web => Err(anyhow::anyhow!("webhook server stopped: {}", r.unwrap_or_else(|_| "its thread panicked".into()))),
+        r = &mut mon => Err(match r {
+            Ok(()) => anyhow::anyhow!("metrics server stopped"),
+            Err(e) => anyhow::anyhow!("metrics server stopped: {e}"),
+        }),
+        r = &mut probes => Err(match r {
+            Ok(()) => anyhow::anyhow!("health probe server stopped"),
+            Err(e) => anyhow::anyhow!("health probe server stopped: {e}"),
+        }),
+        which = signals.next() => Ok(which),
+    }
+}
+
+/// The leader election, running: its task, whether we lead, and how to stop it. It has a
+/// client of its own, so its requests never queue behind the watches'.
+struct Election {
+    task: tokio::task::JoinHandle<()>,
+    leading: tokio::sync::watch::Receiver<bool>,
+    stop: tokio::sync::watch::Sender<bool>,
+    lease_name: String,
+}
+
+impl Election {
+    async fn start(args: &ControllerArgs, election: ElectionConfig, metrics: &Metrics) -> anyhow::Result<Self> {
+        let client = kube_client(args.backend.kubeconfig.as_deref()).await?;
+        let lease_name = format!("{}/{}", election.namespace, election.name);
+        let (tx, leading) = tokio::sync::watch::channel(false);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let api = kube::Api::namespaced(client, &election.namespace);
+        let task = tokio::spawn(leader::run(api, election, tx, stopped));
+        metrics.set_leading(&lease_name, false);
+        Ok(Self { task, leading, stop, lease_name })
+    }
+
+    /// Run the reconcilers exactly while we lead (`supervise.rs`), until `stopping` resolves:
+    /// its signal, or None when the election itself failed (the pod is to be restarted).
+    async fn lead(
+        &mut self,
+        reconcilers: &Reconcilers,
+        metrics: &Metrics,
+        identity: &str,
+        stopping: impl std::future::Future<Output = anyhow::Result<&'static str>>,
+    ) -> anyhow::Result<Option<&'static str>> {
+        let lease_name = self.lease_name.clone();
+        let report = |lead: bool| {
+            metrics.set_leading(&lease_name, lead);
+            if lead {
+                info!(lease = %lease_name, identity = %identity, leading = true, "leadership changed: reconcilers started");
+            } else {
+                info!(lease = %lease_name, identity = %identity, leading = false, "leadership changed: reconcilers stopped");
+            }
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let stopping = async move {
+            let _ = tx.send(stopping.await);
+        };
+        match supervise::supervise(&mut self.task, self.leading.clone(), || reconcilers.start(), report, stopping).await {
+            Ended::Shutdown => Ok(Some(rx.await.unwrap_or_else(|_| Err(anyhow::anyhow!("shutdown signal lost")))?)),
+            Ended::Election(why) => {
+                tracing::error!(lease = %self.lease_name, "{why}; the reconcilers are stopped; exiting so that the pod is restarted");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Hand the Lease over at once, waiting for the election to stop at most `deadline`.
+    async fn release(self, deadline: std::time::Duration) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(deadline, self.task).await.is_err() {
+            tracing::warn!(lease = %self.lease_name, "the leader election did not stop within the renew deadline; another replica takes over once the Lease expires");
+        }
+    }
 }
 
 /// SIGTERM and SIGINT (Ctrl-C), as one stream.
@@ -468,5 +539,42 @@ impl Signals {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn parse(extra: &[&str]) -> ControllerArgs {
+        let mut argv = vec!["clusterip", "controller", "--service-cidr=10.96.0.0/16", "--tls-cert-file=c", "--tls-private-key-file=k", "--client-ca-file=ca"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).expect("flags parse").command {
+            Command::Controller(a) => *a,
+            other => panic!("not the controller: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_defaults_respect_kubernetes_default_request_timeout() {
+        assert_eq!(check_request_timeout(&parse(&[])), Ok(()));
+        assert_eq!(check_request_timeout(&parse(&["--backend=etcd"])), Ok(()));
+    }
+
+    #[test]
+    fn a_raised_request_timeout_needs_a_larger_margin_and_in_flight_limit() {
+        let e = check_request_timeout(&parse(&["--apiserver-request-timeout=80s"])).expect_err("margin 75s < 80s");
+        assert!(e.starts_with("--address-block-margin 75s must exceed --apiserver-request-timeout 80s"), "{e}");
+        let e = check_request_timeout(&parse(&["--apiserver-request-timeout=120s", "--address-block-margin=150s", "--address-block-lease-duration=240s"])).expect_err("in-flight 90s < 120s");
+        assert!(e.starts_with("--in-flight-limit 90s must exceed --apiserver-request-timeout 120s"), "{e}");
+        // The margin is the ipaddress backend's; the etcd backend checks the in-flight limit only.
+        assert_eq!(check_request_timeout(&parse(&["--backend=etcd", "--apiserver-request-timeout=80s"])), Ok(()));
+        assert_eq!(
+            check_request_timeout(&parse(&["--apiserver-request-timeout=120s", "--address-block-margin=150s", "--address-block-lease-duration=240s", "--in-flight-limit=150s"])),
+            Ok(())
+        );
     }
 }

@@ -5,6 +5,7 @@ pub mod backend;
 mod controller;
 mod import;
 mod monitoring;
+mod reconcilers;
 mod repair;
 
 use clap::{Parser, Subcommand};

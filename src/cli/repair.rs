@@ -112,24 +112,14 @@ async fn pass(args: &RepairArgs) -> anyhow::Result<(PassResult, Duration)> {
     let target = if args.audit_apiserver {
         Target::Audit
     } else {
-        match args.backend.backend {
-            BackendKind::Etcd => {
-                let mut backend = args.backend.clone();
-                if backend.service_cidrs.is_empty() {
-                    if let Some(c) = &imported {
-                        backend.service_cidrs.push(c.to_string());
-                    }
-                }
-                Target::Etcd(backend.open().await?)
-            }
-            BackendKind::Ipaddress => {
-                let ranges = args.backend.ranges()?;
-                if ranges.is_empty() && !args.backend.use_servicecidrs {
-                    anyhow::bail!("the ipaddress backend needs --service-cidr, --use-servicecidrs, or both");
-                }
-                Target::IpAddress { manager: args.backend.manager.clone(), ranges, use_servicecidrs: args.backend.use_servicecidrs }
+        // (The range just imported is the etcd backend's range when none is given.)
+        let mut backend = args.backend.clone();
+        if backend.backend == BackendKind::Etcd && backend.service_cidrs.is_empty() {
+            if let Some(c) = &imported {
+                backend.service_cidrs.push(c.to_string());
             }
         }
+        backend.repair_target().await?
     };
     let mut repairer = Repairer::new(client, target).with_grace(args.grace_period);
     if args.fix {

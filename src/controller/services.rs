@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 use crate::cidr::{self, Family};
 use crate::k8s::service::held_ips;
 use crate::metrics::Metrics;
-use crate::store::apiserver_ips::ApiserverIps;
+use crate::store::ipaddress::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, StoreError};
 
 use super::events::ServiceEvents;

@@ -2,7 +2,7 @@
 //!
 //! (The address-block Leases' annotations, `clusterip.allocator/range`,
 //! `clusterip.allocator/addresses` and `clusterip.allocator/wanted-by`, are written and read
-//! by `store/blocks.rs` on the Leases it owns.)
+//! by `store/ipaddress/blocks/` on the Leases it owns.)
 
 use kube::api::ObjectMeta;
 

@@ -1,6 +1,6 @@
 //! How clusterip reads a `coordination.k8s.io/v1` Lease that another replica holds — the
 //! one home of "a Lease observed unchanged for D on our own clock", shared by the leader
-//! election (`controller::leader`) and the address blocks (`store::blocks`).
+//! election (`controller::leader`) and the address blocks (`store::ipaddress::blocks`).
 //!
 //! A holder is alive while its Lease *changes*. The timestamps in a Lease (renewTime) were
 //! written by another machine's clock and are never compared with ours: a replica counts, on

@@ -8,7 +8,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 
 use crate::cidr::{Family, ServiceCidr};
-use crate::store::apiserver_ips::ApiserverIps;
+use crate::store::ipaddress::apiserver_ips::ApiserverIps;
 use crate::store::{AllocationStore, ParentRef, RangeUsage, StoreError, Unreadable};
 
 use super::Metrics;

@@ -4,19 +4,19 @@
 //! - [`etcd::EtcdStore`]: one etcd key per service CIDR holding the roaring-bitmap snapshot;
 //!   every change is a transaction that compares the key's mod revision; concurrent callers
 //!   in one process are batched into one transaction (group commit).
-//! - [`ipaddress::IpAddressStore`]: one `networking.k8s.io/v1` IPAddress object per address;
-//!   creating the object named by the address is the lock.
+//! - [`ipaddress`]: `networking.k8s.io/v1` IPAddress objects, one per address; creating the
+//!   object named by the address is the lock. Two stores, one a role: the controller's
+//!   address blocks ([`ipaddress::blocks::BlockStore`]) and the one-shot commands' object
+//!   writer ([`ipaddress::IpAddressStore`]); their module doc says which runs where.
 //!
 //! Both pick addresses with the same allocation map ([`crate::alloc`]), so the static/dynamic
 //! band rules are identical; they differ only in how a choice is made durable.
 
-pub mod apiserver_ips;
-pub mod blocks;
 pub mod etcd;
-pub mod etcd_pool;
 pub mod fold;
 pub mod ipaddress;
 pub mod legacy;
+#[cfg(any(test, feature = "test-util"))]
 pub mod memory;
 mod ranges;
 

@@ -43,7 +43,7 @@ use crate::alloc::AllocError;
 use crate::cidr::Family;
 use crate::k8s::service;
 use crate::metrics::Metrics;
-use crate::store::apiserver_ips::{ApiserverIps, IpChange};
+use crate::store::ipaddress::apiserver_ips::{ApiserverIps, IpChange};
 use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::clusterips::{self, Decision, FieldError, Plan, Want};

@@ -10,7 +10,30 @@
 //! [`adopt`].
 
 pub mod adopt;
+#[cfg(any(test, feature = "test-util"))]
 pub mod fake;
+#[cfg(not(any(test, feature = "test-util")))]
+mod fake {
+    //! Built without the `test-util` feature (release): no fake kernel. A type without values
+    //! keeps the proxier's one code path while no fake can exist.
+    use super::adopt::Existing;
+    use super::transaction::Transaction;
+    use crate::model::IpFamily;
+
+    pub enum FakeKernel {}
+
+    impl FakeKernel {
+        pub fn existing(&self, _: IpFamily) -> Existing {
+            match *self {}
+        }
+        pub fn listing(&self, _: IpFamily) -> Option<String> {
+            match *self {}
+        }
+        pub fn apply(&mut self, _: &Transaction) -> Result<(), std::convert::Infallible> {
+            match *self {}
+        }
+    }
+}
 pub mod mirror;
 pub mod netlink;
 pub mod ops;
@@ -98,7 +121,8 @@ impl NftablesProxier {
     }
 
     /// A dataplane programming `kernel`, a [`FakeKernel`] (unit tests of the sync logic:
-    /// no root, no namespace, no `nft`).
+    /// no root, no namespace, no `nft`; feature `test-util`).
+    #[cfg(any(test, feature = "test-util"))]
     pub fn with_fake(kernel: Arc<Mutex<FakeKernel>>, opts: RenderOptions, max_ops: usize) -> Self {
         NftablesProxier { fake: Some(kernel), ..Self::new(Executor::host(), opts, max_ops) }
     }

@@ -113,7 +113,23 @@ fn parse_batch(s: &str) -> Result<usize, String> {
 
 /// Connect to etcd with the configured TLS, auth and timeouts.
 pub async fn connect(cfg: &EtcdConfig) -> Result<Client, StoreError> {
-    let mut opts = ConnectOptions::new().with_connect_timeout(cfg.dial_timeout).with_timeout(cfg.request_timeout);
+    let opts = connect_options(cfg)?;
+    let endpoints = cfg.endpoints.join(",");
+    let connecting = Client::connect(cfg.endpoints.clone(), Some(opts));
+    let mut client = call(cfg.dial_timeout, connecting).await.map_err(|e| e.unavailable(format!("cannot connect to etcd at {endpoints}")))?;
+    // The connection is lazy; prove etcd answers before reporting success.
+    call(cfg.dial_timeout, client.status()).await.map_err(|e| e.unavailable(format!("etcd at {endpoints} does not answer")))?;
+    Ok(client)
+}
+
+/// The client's options. Every request carries etcd's require-leader metadata
+/// (`hasleader: true`, clientv3's `WithRequireLeader`): a member cut off from the others'
+/// quorum ends our watches (etcd cancels a require-leader watch once its member has had no
+/// leader for a few election timeouts) and refuses our requests with "no leader", instead
+/// of keeping a watch open that shows nothing more. The watch loop then reads the range
+/// again and watches anew, through a member that has a leader.
+fn connect_options(cfg: &EtcdConfig) -> Result<ConnectOptions, StoreError> {
+    let mut opts = ConnectOptions::new().with_connect_timeout(cfg.dial_timeout).with_timeout(cfg.request_timeout).with_require_leader(true);
     if let (Some(user), Some(pw)) = (&cfg.user, &cfg.password) {
         opts = opts.with_user(user.clone(), pw.clone());
     }
@@ -128,12 +144,7 @@ pub async fn connect(cfg: &EtcdConfig) -> Result<Client, StoreError> {
         }
         opts = opts.with_tls(tls);
     }
-    let endpoints = cfg.endpoints.join(",");
-    let connecting = Client::connect(cfg.endpoints.clone(), Some(opts));
-    let mut client = call(cfg.dial_timeout, connecting).await.map_err(|e| e.unavailable(format!("cannot connect to etcd at {endpoints}")))?;
-    // The connection is lazy; prove etcd answers before reporting success.
-    call(cfg.dial_timeout, client.status()).await.map_err(|e| e.unavailable(format!("etcd at {endpoints} does not answer")))?;
-    Ok(client)
+    Ok(opts)
 }
 
 /// Why one etcd request failed.
@@ -187,3 +198,18 @@ pub(super) async fn read(client: &mut Client, key: &str, options: Option<GetOpti
     call(timeout, client.get(key, options)).await.map_err(|e| e.unavailable(format!("reading {key} from etcd")))
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every request, watches included, asks for a member with a leader. (etcd-client keeps
+    /// the option private; its Debug output is the one place it can be read.)
+    #[test]
+    fn every_request_requires_a_leader() {
+        let cfg = EtcdConfig::default();
+        let opts = connect_options(&cfg).expect("options without TLS files");
+        let shown = format!("{opts:?}");
+        assert!(shown.contains("require_leader: true"), "the etcd client does not require a leader: {shown}");
+    }
+}

@@ -1,20 +1,24 @@
 //! The committer of one range: takes every request waiting in the range's queue (up to
 //! `max_batch`), decides them together ([`super::decide`]), and makes the decisions durable
 //! in one transaction ([`super::txn`]) — retrying on a fresh copy when another writer got
-//! there first.
+//! there first. It also acts on the claims the watch-fed copy found addressed to this
+//! replica's pool ([`super::view::ClaimToAnswer`]): the copy only reports them, the
+//! committer answers (`pool_lease.rs`).
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::alloc::AllocationMap;
-use crate::store::etcd_pool::{ChunkWrite, MAX_FILL_KEYS, MAX_REWRITES};
+use super::pool::{ChunkWrite, MAX_FILL_KEYS, MAX_REWRITES};
 use crate::store::{Cause, StoreError};
 use crate::sync::lock;
 
 use super::client::call;
 use super::decide::{decide_batch, Op, Reply};
-use super::keys::decode;
-use super::view::reload;
+use super::stored::decode;
+use super::pool_lease::answer_claim;
+use super::queue::{enqueue, Request};
+use super::view::{reload, ClaimToAnswer};
 use super::{txn, RangeCtx};
 
 /// Conflicting transactions retried for one batch before its callers get an error.
@@ -30,18 +34,6 @@ const MAX_OWNER_KEYS: usize = 64;
 // the owner keys: within etcd's limit whatever the queue holds.
 const _: () = assert!(1 + MAX_OWNER_KEYS + MAX_FILL_KEYS + MAX_REWRITES <= ETCD_MAX_TXN_OPS);
 
-pub(super) struct Request {
-    pub op: Op,
-    /// None for background work (pool fills and syncs) nobody waits for.
-    pub reply: Option<oneshot::Sender<Reply>>,
-}
-
-/// Queue background work for a range's committer; dropped when the queue is full (a later
-/// pop asks again).
-pub(super) fn enqueue(queue: &mpsc::Sender<Request>, op: Op) {
-    let _ = queue.try_send(Request { op, reply: None });
-}
-
 pub(super) struct Committer {
     ctx: RangeCtx,
     max_batch: usize,
@@ -54,9 +46,20 @@ impl Committer {
         Self { ctx, max_batch: max_batch.max(1), stale: false }
     }
 
-    /// Serve the range's queue until every sender is gone.
-    pub(super) async fn run(mut self, mut queue: mpsc::Receiver<Request>) {
-        while let Some(first) = queue.recv().await {
+    /// Serve the range's queue until every sender is gone, and answer the claims on our
+    /// pooled addresses that the range's watch reports.
+    pub(super) async fn run(mut self, mut queue: mpsc::Receiver<Request>, mut claims: mpsc::UnboundedReceiver<ClaimToAnswer>) {
+        loop {
+            let first = tokio::select! {
+                Some(claim) = claims.recv() => {
+                    self.answer(vec![claim]);
+                    continue;
+                }
+                first = queue.recv() => match first {
+                    Some(first) => first,
+                    None => return,
+                },
+            };
             let mut owner_keys = first.op.owner_keys();
             let mut batch = vec![first];
             while batch.len() < self.max_batch && owner_keys < MAX_OWNER_KEYS {
@@ -88,6 +91,13 @@ impl Committer {
         }
     }
 
+    /// Answer each claim on its own task: an etcd round trip that no batch waits for.
+    fn answer(&self, claims: Vec<ClaimToAnswer>) {
+        for claim in claims {
+            tokio::spawn(answer_claim(self.ctx.clone(), claim));
+        }
+    }
+
     /// Decide `ops` against the current map and make the result durable in one transaction.
     async fn commit(&mut self, ops: &[Op]) -> Result<Vec<Reply>, StoreError> {
         let result = self.commit_inner(ops).await;
@@ -114,15 +124,16 @@ impl Committer {
         let key = self.ctx.key.clone();
         for attempt in 0..MAX_CONFLICT_RETRIES {
             if self.stale {
-                reload(&self.ctx).await?;
+                let claims = reload(&self.ctx).await?;
+                self.answer(claims);
                 self.stale = false;
             }
-            let (map, revision, owners) = {
+            let (map, stored, revision, owners) = {
                 let v = lock(&self.ctx.view);
                 if let Some(e) = v.map_unreadable(&key) {
                     return Err(e);
                 }
-                (v.map.clone(), v.revision, v.owners.clone())
+                (v.map.clone(), v.stored.clone(), v.revision, v.owners.clone())
             };
             let lease = self.ctx.pool.lease();
             let d = decide_batch(map, owners, &key, lease.is_some(), ops);
@@ -137,7 +148,7 @@ impl Committer {
                 }
                 return Ok((d.replies, Vec::new(), None));
             }
-            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &d, pool_ops))).await {
+            let resp = match call(self.ctx.timeout, self.ctx.client.clone().txn(txn::build(&key, revision, &stored, &d, pool_ops))).await {
                 Ok(r) => r,
                 Err(e) if e.lease_not_found() && lease.is_some() => {
                     // Our lease ran out under us: the pool is no longer ours to hand
@@ -158,6 +169,7 @@ impl Committer {
                     let mut v = lock(&self.ctx.view);
                     if v.revision < new_revision {
                         v.map = d.map;
+                        v.stored = stored.written(&self.ctx.cidr);
                         v.revision = new_revision;
                         v.owners = d.owners;
                     }
@@ -185,9 +197,9 @@ impl Committer {
     /// something newer meanwhile).
     fn adopt(&self, current: txn::Current) -> Result<(), StoreError> {
         let key = &self.ctx.key;
-        let (map, revision) = match current.map {
+        let (map, stored, revision) = match current.map {
             Some((value, rev)) => match decode(key, &self.ctx.cidr, &value) {
-                Ok(map) => (map, rev),
+                Ok((map, stored)) => (map, stored, rev),
                 Err(e) => {
                     if let StoreError::Corrupt { reason, .. } = &e {
                         lock(&self.ctx.view).unreadable.insert(key.clone(), ("allocation_map", reason.clone()));
@@ -195,11 +207,12 @@ impl Committer {
                     return Err(e);
                 }
             },
-            None => (AllocationMap::new(self.ctx.cidr.clone()), 0),
+            None => (AllocationMap::new(self.ctx.cidr.clone()), super::stored::Stored::as_configured(&self.ctx.cidr), 0),
         };
         let mut v = lock(&self.ctx.view);
         if v.revision <= revision {
             v.map = map;
+            v.stored = stored;
             v.revision = revision;
             // Read in the same transaction as the map, so of the same moment.
             if let Some(owned) = current.owners {

@@ -11,7 +11,7 @@ use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::ServiceCidr;
 use crate::store::{ParentRef, StoreError};
 
-use crate::store::etcd_pool::{CHUNK, MAX_FILL_KEYS};
+use super::pool::{CHUNK, MAX_FILL_KEYS};
 
 use super::keys::{owner_key, OWNER_CONSEQUENCE, UNREADABLE_OWNER};
 
@@ -26,7 +26,7 @@ pub(super) enum Op {
     Release(IpAddr, Option<ParentRef>),
     /// Record the owner of an address the map already holds for us (taken from a pool).
     Own(IpAddr, ParentRef),
-    /// Record up to this many addresses into this replica's pool (see [`crate::store::etcd_pool`]),
+    /// Record up to this many addresses into this replica's pool (see [`super::pool`]),
     /// at most [`MAX_FILL_KEYS`] keys' worth in one transaction.
     Fill(usize),
     /// Rewrite this replica's pool key to what its pool holds now.

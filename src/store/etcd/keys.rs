@@ -1,11 +1,11 @@
 //! The etcd keys of one range and what their values mean: the allocation map at the range
-//! key, owner keys, and (read through [`crate::store::etcd_pool`]) pool keys and claims.
+//! key, owner keys, and (read through [`super::pool`]) pool keys and claims.
 
 use std::net::IpAddr;
 
-use crate::alloc::AllocationMap;
+
 use crate::cidr::ServiceCidr;
-use crate::store::{ParentRef, StoreError};
+use crate::store::ParentRef;
 
 /// The key a range is stored under.
 pub fn range_key(prefix: &str, cidr: &ServiceCidr) -> String {
@@ -53,15 +53,6 @@ pub(super) fn parse_owner(value: &[u8]) -> Result<ParentRef, String> {
 /// Why an allocation map may not be used, for the errors callers get.
 pub(super) const MAP_CONSEQUENCE: &str = "no address of this range is allocated or released until the map is rebuilt: `clusterip repair --rebuild`";
 pub(super) const OWNER_CONSEQUENCE: &str = "the address stays allocated; only an operator releases it (docs/operations.md, \"Corrupt records\")";
-
-/// Decode a stored value into a map for `cidr`.
-pub(super) fn decode(key: &str, cidr: &ServiceCidr, value: &[u8]) -> Result<AllocationMap, StoreError> {
-    AllocationMap::restore(cidr, value).map_err(|e| StoreError::Corrupt {
-        record: format!("the allocation map stored at {key}"),
-        reason: e.to_string(),
-        consequence: MAP_CONSEQUENCE,
-    })
-}
 
 /// The owner keys among `kvs` (read under `prefix`, the range's owner prefix).
 pub(super) fn owners_in<'a>(prefix: &'a str, kvs: &'a [etcd_client::KeyValue]) -> impl Iterator<Item = (IpAddr, ParentRef)> + 'a {

@@ -7,10 +7,11 @@ use std::net::IpAddr;
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
 
-use crate::store::etcd_pool::{encode_pool, member_pool_prefix, pool_key, LeaseState, PoolPlan};
+use super::pool::{encode_pool, member_pool_prefix, pool_key, LeaseState, PoolPlan};
 use crate::store::ParentRef;
 
 use super::decide::{Decided, OwnerGuard, OwnerWrite};
+use super::stored::Stored;
 use super::keys::{encode_owner, owner_key, owner_prefix, owners_in};
 
 /// The writes to this replica's pool keys the decisions call for: all of them deleted (the
@@ -37,8 +38,8 @@ pub(super) fn pool_ops(key: &str, lease: Option<LeaseState>, d: &Decided, plan: 
 }
 
 /// The transaction of decisions made on the copy of `key` at `revision` (0: the key did not
-/// exist).
-pub(super) fn build(key: &str, revision: i64, d: &Decided, pool_ops: Vec<TxnOp>) -> Txn {
+/// exist), whose value holds `stored` beside the decided map.
+pub(super) fn build(key: &str, revision: i64, stored: &Stored, d: &Decided, pool_ops: Vec<TxnOp>) -> Txn {
     let mut then = Vec::new();
     let mut guards = Vec::new();
     if d.map_changed {
@@ -47,7 +48,7 @@ pub(super) fn build(key: &str, revision: i64, d: &Decided, pool_ops: Vec<TxnOp>)
         } else {
             Compare::mod_revision(key, CompareOp::Equal, revision)
         });
-        then.push(TxnOp::put(key, d.map.snapshot(), None));
+        then.push(TxnOp::put(key, stored.encode(&d.map), None));
     }
     then.extend(pool_ops);
     guards.extend(d.owner_guards.iter().map(|g| match g {

@@ -1,30 +1,45 @@
 //! The watch-fed copy of one range: the map, every replica's pool key and the owner keys as
 //! of the last revision seen, kept current by a watch of everything under the range key and
-//! re-read whole after any interruption. Claims seen by the watch are handed to the pool
-//! side ([`super::pool`]).
+//! re-read whole after any interruption. The copy writes nothing: a claim on one of our
+//! pooled addresses that it sees is returned as a [`ClaimToAnswer`], which the watch hands
+//! to the range's committer (as Kubernetes' allocator cache never calls its writer).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Duration;
+
+use tokio::sync::mpsc;
 
 use etcd_client::{EventType, GetOptions, WatchOptions};
 use futures::StreamExt;
 use tracing::{debug, info, warn};
 
 use crate::alloc::AllocationMap;
-use crate::store::etcd_pool::{decode_pool, pool_member, Claim, OwnPool};
+use super::pool::{decode_pool, pool_member, Claim, OwnPool};
 use crate::store::{ParentRef, StoreError};
 use crate::sync::lock;
 
 use super::client::read;
 use super::keys::{classify, decode_owner, parse_owner, Under, MAP_CONSEQUENCE};
-use super::pool::answer_claim;
+use super::stored::Stored;
 use super::RangeCtx;
+
+/// A claim on one of this replica's pooled addresses, seen by the watch and not answered
+/// yet: the committer answers it (`pool_lease.rs`).
+pub(super) struct ClaimToAnswer {
+    /// The claim's key.
+    pub key: String,
+    pub ip: IpAddr,
+    pub claim: Claim,
+}
 
 /// The local copy of one range: the map as of `revision` (0 = the key does not exist), and
 /// every replica's pool key and pending claim under the range key.
 pub(super) struct View {
+    /// The part of the stored map inside this replica's range.
     pub(super) map: AllocationMap,
+    /// The stored map's range and what it holds outside ours (a range change in progress).
+    pub(super) stored: Stored,
     pub(super) revision: i64,
     /// Highest etcd revision read (by a get or the watch) under the range key's prefix.
     pub(super) watched: i64,
@@ -75,7 +90,8 @@ impl View {
 /// Keep the local copy of one range current from etcd's watch of everything under the range
 /// key (the map, pool keys, claims); re-read and re-watch after any interruption (etcd
 /// restarted, compaction).
-pub(super) async fn watch_range(ctx: RangeCtx) {
+/// Claims on our pooled addresses go to `claims` (the range's committer).
+pub(super) async fn watch_range(ctx: RangeCtx, claims: mpsc::UnboundedSender<ClaimToAnswer>) {
     let mut client = ctx.client.clone();
     let key = ctx.key.clone();
     let mut backoff = Duration::from_millis(100);
@@ -110,32 +126,40 @@ pub(super) async fn watch_range(ctx: RangeCtx) {
                     EventType::Put => Some(kv.value()),
                     EventType::Delete => None,
                 };
-                apply(&ctx, k, value, kv.mod_revision());
+                if let Some(claim) = apply(&ctx, k, value, kv.mod_revision()) {
+                    let _ = claims.send(claim);
+                }
             }
         }
         // Interrupted: the copy may have missed events; read the keys again before watching.
-        if let Err(e) = reload(&ctx).await {
-            debug!(%key, error = %e, "reload after watch interruption failed; retrying");
+        match reload(&ctx).await {
+            Ok(found) => found.into_iter().for_each(|claim| {
+                let _ = claims.send(claim);
+            }),
+            Err(e) => {
+                debug!(%key, error = %e, "reload after watch interruption failed; retrying");
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
         }
     }
 }
 
-/// Apply one key's new value (None = deleted) at `mod_revision` to the view, and act on a
-/// claim: answer one addressed to our pool, or wake our waiter on an answered one.
-fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
+/// Apply one key's new value (None = deleted) at `mod_revision` to the view. A claim: wake
+/// our waiter on an answered one; one addressed to our pool is returned, to be answered.
+fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) -> Option<ClaimToAnswer> {
     let mut v = lock(&ctx.view);
     v.watched = v.watched.max(mod_revision);
     match classify(&ctx.key, key) {
         Under::Map => {
             if mod_revision <= v.revision {
-                return;
+                return None;
             }
             match value {
-                Some(value) => match AllocationMap::restore(&ctx.cidr, value) {
-                    Ok(map) => {
+                Some(value) => match Stored::decode(&ctx.cidr, value) {
+                    Ok((map, stored)) => {
                         v.map = map;
+                        v.stored = stored;
                         v.revision = mod_revision;
                         if v.unreadable.remove(&ctx.key).is_some() {
                             info!(key = %ctx.key, "the allocation map is readable again; allocating from it");
@@ -151,6 +175,7 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                 },
                 None => {
                     v.map = AllocationMap::new(ctx.cidr.clone());
+                    v.stored = Stored::as_configured(&ctx.cidr);
                     v.revision = 0;
                     v.unreadable.remove(&ctx.key);
                 }
@@ -182,7 +207,7 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
         },
         Under::Claim(ip) => {
             drop(v);
-            let Some(claim) = value.and_then(|b| serde_json::from_slice::<Claim>(b).ok()) else { return };
+            let claim = value.and_then(|b| serde_json::from_slice::<Claim>(b).ok())?;
             match claim.answer {
                 Some(answer) if claim.claimant == ctx.name => {
                     if let Some(tx) = lock(&ctx.waiters).remove(&ip) {
@@ -192,29 +217,29 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) {
                 // Addressed to our member, or (by a replica of the version before chunks) to
                 // one of our pool keys by its name.
                 None if ctx.pool.lease().is_some_and(|l| l.member() == pool_member(&claim.owner)) => {
-                    let ctx = ctx.clone();
-                    let key = key.to_string();
-                    tokio::spawn(async move { answer_claim(ctx, key, ip, claim).await });
+                    return Some(ClaimToAnswer { key: key.to_string(), ip, claim });
                 }
                 _ => {}
             }
         }
         Under::Other => {}
     }
+    None
 }
 
-/// Replace the local copy with what etcd holds now under the range key's prefix.
-pub(super) async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
+/// Replace the local copy with what etcd holds now under the range key's prefix; returns
+/// the claims on our pooled addresses it found unanswered.
+pub(super) async fn reload(ctx: &RangeCtx) -> Result<Vec<ClaimToAnswer>, StoreError> {
     let key = &ctx.key;
     let resp = read(&mut ctx.client.clone(), key, Some(GetOptions::new().with_prefix()), ctx.timeout).await?;
-    let mut map = Some(AllocationMap::new(ctx.cidr.clone()));
+    let mut map = Some((AllocationMap::new(ctx.cidr.clone()), Stored::as_configured(&ctx.cidr)));
     let mut revision = 0;
     let mut unreadable = BTreeMap::new();
     let mut rest = Vec::new();
     for kv in resp.kvs() {
         let Ok(k) = kv.key_str() else { continue };
         match classify(key, k) {
-            Under::Map => match AllocationMap::restore(&ctx.cidr, kv.value()) {
+            Under::Map => match Stored::decode(&ctx.cidr, kv.value()) {
                 Ok(m) => {
                     map = Some(m);
                     revision = kv.mod_revision();
@@ -232,8 +257,9 @@ pub(super) async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
     {
         let mut v = lock(&ctx.view);
         // An unreadable map keeps the last good copy (and its revision) for reads.
-        if let Some(map) = map {
+        if let Some((map, stored)) = map {
             v.map = map;
+            v.stored = stored;
             v.revision = revision;
         }
         v.unreadable = unreadable;
@@ -241,9 +267,6 @@ pub(super) async fn reload(ctx: &RangeCtx) -> Result<(), StoreError> {
         v.owners.clear();
         v.watched = resp.header().map(|h| h.revision()).unwrap_or(revision);
     }
-    for (k, value, rev) in rest {
-        apply(ctx, &k, Some(&value), rev);
-    }
-    Ok(())
+    Ok(rest.into_iter().filter_map(|(k, value, rev)| apply(ctx, &k, Some(&value), rev)).collect())
 }
 

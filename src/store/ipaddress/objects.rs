@@ -1,4 +1,5 @@
-//! The IPAddress backend: one `networking.k8s.io/v1` IPAddress object per allocated address.
+//! The one-shot commands' IPAddress store: one `networking.k8s.io/v1` IPAddress object per
+//! allocated address, created by us.
 //!
 //! - The object is named by the canonical text of the address; **creating it is the lock**:
 //!   `AlreadyExists` means another writer (another replica, the kube-apiserver's own
@@ -30,8 +31,8 @@ use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{Family, ServiceCidr};
 use crate::k8s;
 
-use super::fold::{fold, Change};
-use super::{AllocationStore, BackendKind, ParentRef, RangeUsage, StoreError};
+use crate::store::fold::{fold, Change};
+use crate::store::{AllocationStore, BackendKind, ParentRef, RangeUsage, StoreError};
 use crate::sync::lock;
 
 /// Our value of the managed-by label.

@@ -20,8 +20,8 @@ use tracing::warn;
 
 use crate::k8s;
 
-use super::fold::{fold, Change};
-use super::{StoreError, Unreadable};
+use crate::store::fold::{fold, Change};
+use crate::store::{StoreError, Unreadable};
 use crate::sync::{read, write};
 
 /// One change the watch applied to the view, in the order the apiserver made them.

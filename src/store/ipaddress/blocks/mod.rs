@@ -79,8 +79,8 @@ use crate::clock::{Clock, Moment};
 use crate::k8s::lease::holder as holder_of;
 
 use super::apiserver_ips::ApiserverIps;
-use super::fold::Change;
-use super::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
+use crate::store::fold::Change;
+use crate::store::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
 use crate::sync::lock;
 
 pub mod book;
@@ -700,7 +700,7 @@ impl BlockStore {
 /// Answer hand-over requests as soon as the watch of the namespace's Leases shows them (the
 /// tick answers them too, at its pace).
 async fn answer_requests(weak: Weak<BlockStore>, leases: Api<Lease>) {
-    super::fold::fold(leases, "address block Lease", Lease::clone, move |change| {
+    crate::store::fold::fold(leases, "address block Lease", Lease::clone, move |change| {
         if let Some(me) = weak.upgrade() {
             me.on_lease_change(change);
         }
@@ -725,7 +725,7 @@ async fn tick_forever(weak: Weak<BlockStore>, every: Duration) {
 #[async_trait]
 impl AllocationStore for BlockStore {
     fn backend(&self) -> &'static str {
-        super::BackendKind::Ipaddress.as_str()
+        crate::store::BackendKind::Ipaddress.as_str()
     }
 
     fn ranges(&self) -> Vec<ServiceCidr> {
@@ -812,7 +812,7 @@ impl AllocationStore for BlockStore {
         Ok(all)
     }
 
-    fn unreadable(&self) -> Vec<super::Unreadable> {
+    fn unreadable(&self) -> Vec<crate::store::Unreadable> {
         self.recorded.unreadable()
     }
 

@@ -16,7 +16,7 @@
 //!   transaction; an allocation whose acknowledgement was lost is a leak for repair to
 //!   reclaim, never a second owner.
 //! - With an address pool (`pool_size > 0`, the controller), dynamic requests are answered
-//!   from addresses this process recorded ahead of need; see [`super::etcd_pool`] for how
+//!   from addresses this process recorded ahead of need; see [`pool`] for how
 //!   pool keys, the lease and claims keep that race-free.
 //! - Owners other than Services (a Gateway, anything `clusterip allocate --parent` names)
 //!   are recorded under `<range key>/owner/<address>` (the parentRef as JSON), written in
@@ -33,16 +33,23 @@
 //!   reported by [`AllocationStore::unreadable`].
 //!
 //! The parts, one file each under `etcd/`: `client` (flags, connection, the one request
-//! translator), `keys` (the keys and their values), `decide` (the pure decisions of one
-//! batch), `txn` (the transaction that makes them durable), `committer` (the queue and the
-//! retry loop of each range), `view` (the watch-fed local copy) and `pool` (the pool's etcd
-//! side: its lease, claims). This file holds the store and its [`AllocationStore`] methods.
+//! translator), `keys` (the keys and their values), `stored` (the map's stored form, range
+//! changes), `decide` (the pure decisions of one batch), `txn` (the transaction that makes
+//! them durable), `queue` (a range's queue), `committer` (the retry loop serving it, and the
+//! one that answers claims), `view` (the watch-fed local copy: it only reads, and returns
+//! the claims it sees to the committer), `pool` (the address pool's in-memory side and key
+//! formats) and `pool_lease` (the pool's etcd side: its lease, claims, hand-outs). Imports
+//! point one way: `view` → `pool`; `committer` → `view`, `pool_lease` → `queue`. This file
+//! holds the store and its [`AllocationStore`] methods.
 
 mod client;
 mod committer;
 mod decide;
 mod keys;
-mod pool;
+pub mod pool;
+mod pool_lease;
+mod queue;
+mod stored;
 mod txn;
 mod view;
 
@@ -61,7 +68,7 @@ use tracing::info;
 use crate::alloc::{AllocError, AllocationMap};
 use crate::cidr::{Family, ServiceCidr};
 
-use super::etcd_pool::{decode_pool, pool_target, ClaimAnswer, OwnPool};
+use pool::{decode_pool, pool_target, ClaimAnswer, OwnPool};
 use super::{AllocationStore, BackendKind, Cause, ParentRef, RangeSet, RangeUsage, StoreError, Unreadable};
 use crate::sync::lock;
 
@@ -69,10 +76,11 @@ pub use client::{call, connect, EtcdArgs, EtcdConfig, EtcdError, DEFAULT_MAX_BAT
 pub use keys::{owner_key, owner_prefix, range_key, UNREADABLE_OWNER};
 
 use client::{get, read};
-use committer::{enqueue, Committer, Request};
+use committer::Committer;
+use queue::{enqueue, Request};
 use decide::{Op, Reply};
 use keys::{classify, decode_owner, owners_in, Under};
-use pool::keep_lease;
+use pool_lease::keep_lease;
 use view::{reload, watch_range, View};
 
 /// How long `/readyz` waits for etcd (the Deployment's probe gives up after 2 s).
@@ -136,10 +144,11 @@ impl EtcdStore {
         let waiters: Waiters = Arc::default();
         let mut per_range = Vec::new();
         let mut tasks = JoinSet::new();
-        for (index, cidr) in cidrs.iter().enumerate() {
-            let key = range_key(&cfg.prefix, cidr);
+        let keys = stored_keys(&client, &cfg.prefix, &cidrs, cfg.request_timeout).await?;
+        for ((index, cidr), key) in cidrs.iter().enumerate().zip(keys) {
             let view = Arc::new(Mutex::new(View {
                 map: AllocationMap::new(cidr.clone()),
+                stored: stored::Stored::as_configured(cidr),
                 revision: 0,
                 watched: 0,
                 pools: BTreeMap::new(),
@@ -159,10 +168,16 @@ impl EtcdStore {
                 client: client.clone(),
                 timeout: cfg.request_timeout,
             };
-            reload(&ctx).await?;
+            // Claims on our pooled addresses: the watch-fed copy finds them, the committer
+            // answers them.
+            let (claims, claims_rx) = mpsc::unbounded_channel();
+            for claim in reload(&ctx).await? {
+                let _ = claims.send(claim);
+            }
+            refuse_held_outside(&lock(&view), cidr, &key)?;
             let committer = Committer::new(ctx.clone(), cfg.max_batch);
-            tasks.spawn(committer.run(rx));
-            tasks.spawn(watch_range(ctx));
+            tasks.spawn(committer.run(rx, claims_rx));
+            tasks.spawn(watch_range(ctx, claims));
             per_range.push(Range { key, view, queue: tx });
         }
         let queues: Vec<_> = per_range.iter().map(|r| r.queue.clone()).collect();
@@ -235,6 +250,35 @@ impl EtcdStore {
 
 }
 
+/// The key of each configured range ([`stored::choose_keys`]) among the range keys stored
+/// under `prefix`.
+async fn stored_keys(client: &Client, prefix: &str, cidrs: &[ServiceCidr], timeout: Duration) -> Result<Vec<String>, StoreError> {
+    let dir = format!("{}/", prefix.trim_end_matches('/'));
+    let listed = read(&mut client.clone(), &dir, Some(GetOptions::new().with_prefix().with_keys_only()), timeout).await?;
+    let mut found = Vec::new();
+    for kv in listed.kvs() {
+        let Some((key, named)) = kv.key_str().ok().and_then(|k| Some((k, ServiceCidr::parse(k.strip_prefix(&dir)?).ok()?))) else { continue };
+        let holds = get(&mut client.clone(), key, timeout).await?.and_then(|(v, _)| AllocationMap::restore_stored(&v).ok()).map(|m| m.cidr().clone());
+        found.push(stored::Found { key: key.to_string(), named, holds });
+    }
+    stored::choose_keys(prefix, cidrs, &found).map_err(StoreError::Config)
+}
+
+/// A shrink is refused while the part it removes still holds an address (as Kubernetes
+/// refuses to delete a ServiceCIDR whose addresses are in use): an address of the stored map
+/// outside `cidr` that no replica's pool key lists (pooled addresses are free).
+fn refuse_held_outside(v: &View, cidr: &ServiceCidr, key: &str) -> Result<(), StoreError> {
+    let held: Vec<IpAddr> = v.stored.outside.iter().copied().filter(|ip| v.pool_owner(*ip).is_none()).collect();
+    let Some(first) = held.first() else { return Ok(()) };
+    let by = v.owners.get(first).map(|o| format!(" (held by {o})")).unwrap_or_else(|| " (a Service's, or leaked)".into());
+    Err(StoreError::Config(format!(
+        "--service-cidr {cidr} leaves out {} address(es) still held in the range stored at {key} ({}): {first}{by}{}; release them (delete or re-create their Services, release their owners' records) before shrinking, or keep the wider range",
+        held.len(),
+        v.stored.cidr,
+        if held.len() > 1 { ", …" } else { "" }
+    )))
+}
+
 /// The owner an allocation records: its parent, unless that is a Service (the
 /// kube-apiserver records a Service's addresses itself, as IPAddress objects).
 fn recorded_owner(parent: Option<&ParentRef>) -> Option<ParentRef> {
@@ -268,7 +312,7 @@ impl EtcdStore {
             let key = &r.key;
             let resp = read(&mut self.client.clone(), key, Some(GetOptions::new().with_prefix()), self.timeout).await?;
             let Some(stored) = resp.kvs().iter().find(|kv| kv.key() == key.as_bytes()) else { continue };
-            if AllocationMap::restore(cidr, stored.value()).is_ok() {
+            if stored::Stored::decode(cidr, stored.value()).is_ok() {
                 continue;
             }
             let mut map = AllocationMap::new(cidr.clone());

@@ -86,6 +86,27 @@ pub fn lease_span(cidr: &ServiceCidr, index: u64, lease: &Lease) -> Option<Block
     (first <= last).then_some(BlockSpan { index, first, end: last + 1 })
 }
 
+/// The part of `cidr` a block Lease of another range names (a replica of a wider or narrower
+/// `--service-cidr`, in a rolling update of the range): its `clusterip.allocator/addresses`
+/// clipped to `cidr`'s usable addresses. None when they share none.
+pub fn foreign_span(cidr: &ServiceCidr, lease: &Lease) -> Option<BlockSpan> {
+    let text = lease.metadata.annotations.as_ref()?.get(ADDRESSES_ANNOTATION)?;
+    let (a, b) = text.split_once('-')?;
+    let (a, b) = (crate::cidr::parse_ip(a.trim()).ok()?, crate::cidr::parse_ip(b.trim()).ok()?);
+    let (lo, hi) = (cidr.ip_at(0)?, cidr.ip_at(cidr.size().checked_sub(1)?)?);
+    let key = |ip: IpAddr| match ip {
+        IpAddr::V4(v) => (4u8, u128::from(u32::from(v))),
+        IpAddr::V6(v) => (6u8, u128::from(v)),
+    };
+    let (first, last) = (key(a).max(key(lo)), key(b).min(key(hi)));
+    if first > last || key(a).0 != key(lo).0 {
+        return None;
+    }
+    let first = cidr.offset_of(if first == key(lo) { lo } else { a })?;
+    let last = cidr.offset_of(if last == key(hi) { hi } else { b })?;
+    (first <= last).then_some(BlockSpan { index: 0, first, end: last + 1 })
+}
+
 /// Whether two spans share an address.
 pub fn overlap(a: &BlockSpan, b: &BlockSpan) -> bool {
     a.first < b.end && b.first < a.end
@@ -267,5 +288,23 @@ mod tests {
             let want: HashSet<u64> = (0..layout(&c, mine).1).filter(|i| span(&c, mine, *i).is_some_and(|s| overlap(&s, &other))).collect();
             proptest::prop_assert_eq!(got, want);
         }
+    }
+
+    #[test]
+    fn a_block_of_another_range_is_read_as_the_addresses_it_shares_with_ours() {
+        let with = |addrs: &str| {
+            let mut l = Lease::default();
+            l.metadata.annotations = Some([(ADDRESSES_ANNOTATION.to_string(), addrs.to_string())].into());
+            l
+        };
+        let c = ServiceCidr::parse("10.0.0.0/25").expect("cidr");
+        // A /24's block across our broadcast address and past it: clipped to ours.
+        let s = foreign_span(&c, &with("10.0.0.120-10.0.0.140")).expect("shares addresses");
+        assert_eq!((c.ip_at(s.first), c.ip_at(s.end - 1)), (Some("10.0.0.120".parse().expect("ip")), Some("10.0.0.126".parse().expect("ip"))));
+        // A /26's block inside ours: whole.
+        let s = foreign_span(&c, &with("10.0.0.17-10.0.0.20")).expect("inside");
+        assert_eq!((s.first, s.end), (16, 20));
+        assert_eq!(foreign_span(&c, &with("10.0.1.1-10.0.1.9")), None, "another range's addresses only");
+        assert_eq!(foreign_span(&c, &with("fd00::1-fd00::9")), None);
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 
-use super::layout::{block_of, blocks_overlapping, free_block, lease_span, layout, overlap, span, wanted_by, BlockSpan};
+use super::layout::{block_of, blocks_overlapping, foreign_span, free_block, lease_span, layout, overlap, span, wanted_by, BlockSpan};
 use crate::cidr::ServiceCidr;
 use crate::clock::Moment;
 use crate::k8s::lease::{holder, Observation, Renewal};
@@ -305,7 +305,18 @@ impl Book {
             if lease.metadata.resource_version.is_none() {
                 continue;
             }
-            let Some((range, index)) = block_of(&self.cidrs, &name) else { continue };
+            let Some((range, index)) = block_of(&self.cidrs, &name) else {
+                // A block of another range that shares addresses with one of ours (replicas
+                // of a changed --service-cidr side by side): busy while renewed, deleted once
+                // its holder stopped (as a block of another size).
+                if let Some((range, span)) = self.cidrs.iter().enumerate().find_map(|(i, c)| Some((i, foreign_span(c, &lease)?))) {
+                    seen.insert(name.clone());
+                    let earlier = self.observed.remove(&name).map(|o| o.seen);
+                    let seen_now = Observation::next(earlier, Renewal::of(&lease), now);
+                    self.observed.insert(name, Watched { range, span, seen: seen_now, lease });
+                }
+                continue;
+            };
             if holder(&lease) == Some(self.holder.as_str()) {
                 if self.asks_us(&lease) {
                     out.requests.push(lease);

@@ -260,7 +260,7 @@ mod tests {
         // While the first round is held: a set of the bound's size waits, the next is dropped.
         let mut big = FlushSet::default();
         for i in 0..MAX_PENDING as u32 {
-            big.insert(Flush::Endpoint { vip: IpAddr::from(std::net::Ipv4Addr::from(0xc612_0000 + i)), port: 53, endpoint: "198.18.2.1".parse().expect("ip") });
+            big.insert(Flush::Endpoint { vip: IpAddr::from(std::net::Ipv4Addr::from(0xc612_0000 + i)), port: 53, endpoint: "198.18.2.1".parse().expect("ip"), endpoint_port: 5353 });
         }
         f.submit(big);
         f.submit(flush(1));

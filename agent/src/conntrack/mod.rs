@@ -1,8 +1,11 @@
 //! UDP conntrack cleanup (kube-proxy's most reported bug: stale UDP entries keep sending
 //! a flow to a dead endpoint). After each successful sync the agent deletes, in the node's
 //! namespace:
-//! - entries DNATed to an endpoint that is no longer used by a Service port, for each of
-//!   its VIPs and its NodePort;
+//! - entries DNATed to an endpoint (address and port) that is no longer used by a Service
+//!   port, for each of its VIPs and its NodePort — a changed targetPort makes the old
+//!   address:port stale even though the pod stays (Kubernetes' e2e "should be able to
+//!   cleanup conntrack entries when UDP service target port changes for a NodePort
+//!   service");
 //! - entries of a VIP whose Service port went from no endpoints to some (traffic sent
 //!   while it had none must not stay pinned to the reject) — only those that were not
 //!   DNATed (reply source = the VIP itself): a flow the new rules already sent to an
@@ -38,22 +41,22 @@ pub enum Flush {
     Service { vip: IpAddr, port: u16 },
     /// UDP entries to `vip:port` that were not DNATed to an endpoint.
     NotDnatted { vip: IpAddr, port: u16 },
-    /// UDP entries to `vip:port` DNATed to `endpoint`.
-    Endpoint { vip: IpAddr, port: u16, endpoint: IpAddr },
-    /// UDP entries to the NodePort `port` DNATed to `endpoint`.
-    NodePortEndpoint { port: u16, endpoint: IpAddr },
+    /// UDP entries to `vip:port` DNATed to `endpoint:endpoint_port`.
+    Endpoint { vip: IpAddr, port: u16, endpoint: IpAddr, endpoint_port: u16 },
+    /// UDP entries to the NodePort `port` DNATed to `endpoint:endpoint_port`.
+    NodePortEndpoint { port: u16, endpoint: IpAddr, endpoint_port: u16 },
 }
 
-/// Flushes as hash sets, to match a dumped entry in O(1). An entry is "DNATed to X" when
-/// its reply comes from X and X is not the original destination (the `conntrack`
-/// tool's `--dst-nat X`); "not DNATed" when the reply comes from the original destination
+/// Flushes as hash sets, to match a dumped entry in O(1). An entry is "DNATed to X:p" when
+/// its reply comes from X, port p, and X is not the original destination (the `conntrack`
+/// tool's `--dst-nat X:p`); "not DNATed" when the reply comes from the original destination
 /// (`--reply-src VIP`).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct FlushSet {
     services: HashSet<(IpAddr, u16)>,
     not_dnatted: HashSet<(IpAddr, u16)>,
-    endpoints: HashSet<(IpAddr, u16, IpAddr)>,
-    node_port_endpoints: HashSet<(u16, IpAddr)>,
+    endpoints: HashSet<(IpAddr, u16, IpAddr, u16)>,
+    node_port_endpoints: HashSet<(u16, IpAddr, u16)>,
 }
 
 impl FlushSet {
@@ -61,8 +64,8 @@ impl FlushSet {
         match f {
             Flush::Service { vip, port } => self.services.insert((vip, port)),
             Flush::NotDnatted { vip, port } => self.not_dnatted.insert((vip, port)),
-            Flush::Endpoint { vip, port, endpoint } => self.endpoints.insert((vip, port, endpoint)),
-            Flush::NodePortEndpoint { port, endpoint } => self.node_port_endpoints.insert((port, endpoint)),
+            Flush::Endpoint { vip, port, endpoint, endpoint_port } => self.endpoints.insert((vip, port, endpoint, endpoint_port)),
+            Flush::NodePortEndpoint { port, endpoint, endpoint_port } => self.node_port_endpoints.insert((port, endpoint, endpoint_port)),
         };
     }
 
@@ -86,8 +89,8 @@ impl FlushSet {
     pub fn families(&self) -> Vec<IpFamily> {
         let mut seen = BTreeSet::new();
         seen.extend(self.services.iter().chain(&self.not_dnatted).map(|(ip, _)| IpFamily::of(ip)));
-        seen.extend(self.endpoints.iter().map(|(ip, _, _)| IpFamily::of(ip)));
-        seen.extend(self.node_port_endpoints.iter().map(|(_, ip)| IpFamily::of(ip)));
+        seen.extend(self.endpoints.iter().map(|(ip, _, _, _)| IpFamily::of(ip)));
+        seen.extend(self.node_port_endpoints.iter().map(|(_, ip, _)| IpFamily::of(ip)));
         seen.into_iter().collect()
     }
 
@@ -103,16 +106,21 @@ impl FlushSet {
         if e.reply.src == e.orig.dst {
             return self.not_dnatted.contains(&to);
         }
-        let endpoint = e.reply.src;
-        self.endpoints.contains(&(to.0, to.1, endpoint)) || self.node_port_endpoints.contains(&(to.1, endpoint))
+        let (endpoint, endpoint_port) = (e.reply.src, e.reply.sport);
+        self.endpoints.contains(&(to.0, to.1, endpoint, endpoint_port))
+            || self.node_port_endpoints.contains(&(to.1, endpoint, endpoint_port))
     }
 
     /// The flushes, sorted (for tests and logs).
     pub fn to_vec(&self) -> Vec<Flush> {
         let mut v: Vec<Flush> = self.services.iter().map(|&(vip, port)| Flush::Service { vip, port }).collect();
         v.extend(self.not_dnatted.iter().map(|&(vip, port)| Flush::NotDnatted { vip, port }));
-        v.extend(self.endpoints.iter().map(|&(vip, port, endpoint)| Flush::Endpoint { vip, port, endpoint }));
-        v.extend(self.node_port_endpoints.iter().map(|&(port, endpoint)| Flush::NodePortEndpoint { port, endpoint }));
+        v.extend(self.endpoints.iter().map(|&(vip, port, endpoint, endpoint_port)| Flush::Endpoint { vip, port, endpoint, endpoint_port }));
+        v.extend(
+            self.node_port_endpoints
+                .iter()
+                .map(|&(port, endpoint, endpoint_port)| Flush::NodePortEndpoint { port, endpoint, endpoint_port }),
+        );
         v.sort();
         v
     }
@@ -123,7 +131,8 @@ struct UdpPort {
     vips: Vec<IpAddr>,
     port: u16,
     node_port: Option<u16>,
-    endpoints: BTreeSet<IpAddr>,
+    /// Endpoint address and port.
+    endpoints: BTreeSet<(IpAddr, u16)>,
 }
 
 /// Remembers the UDP Service ports as last programmed, to know what became stale.
@@ -149,7 +158,7 @@ fn udp_ports(ports: &[DesiredPort]) -> HashMap<(ServicePortName, IpFamily), UdpP
                 .copied()
                 .collect();
             let c = d.endpoints(fam);
-            let endpoints = c.cluster.iter().chain(&c.local).map(|e| e.ip).collect();
+            let endpoints = c.cluster.iter().chain(&c.local).map(|e| (e.ip, e.port)).collect();
             out.insert((sp.name.clone(), fam), UdpPort { vips, port: sp.port, node_port: sp.node_port, endpoints });
         }
     }
@@ -193,9 +202,9 @@ fn diff(
                 for vip in &o.vips {
                     out.insert(Flush::Service { vip: *vip, port: o.port });
                 }
-                for ep in &o.endpoints {
+                for &(endpoint, endpoint_port) in &o.endpoints {
                     if let Some(np) = o.node_port {
-                        out.insert(Flush::NodePortEndpoint { port: np, endpoint: *ep });
+                        out.insert(Flush::NodePortEndpoint { port: np, endpoint, endpoint_port });
                     }
                 }
             }
@@ -206,12 +215,12 @@ fn diff(
                 for vip in o.vips.iter().filter(|v| n.port != o.port || !new_vips.contains(v)) {
                     out.insert(Flush::Service { vip: *vip, port: o.port });
                 }
-                for ep in o.endpoints.difference(&n.endpoints) {
+                for &(endpoint, endpoint_port) in o.endpoints.difference(&n.endpoints) {
                     for vip in &o.vips {
-                        out.insert(Flush::Endpoint { vip: *vip, port: o.port, endpoint: *ep });
+                        out.insert(Flush::Endpoint { vip: *vip, port: o.port, endpoint, endpoint_port });
                     }
                     if let Some(np) = o.node_port {
-                        out.insert(Flush::NodePortEndpoint { port: np, endpoint: *ep });
+                        out.insert(Flush::NodePortEndpoint { port: np, endpoint, endpoint_port });
                     }
                 }
             }
@@ -258,8 +267,37 @@ mod tests {
         let first = c.plan(&batch(Protocol::Udp, &["198.18.2.1", "198.18.2.2"]));
         assert_eq!(first.to_vec(), vec![Flush::NotDnatted { vip: ip("198.19.0.53"), port: 53 }], "gained endpoints");
         let second = c.plan(&batch(Protocol::Udp, &["198.18.2.2"]));
-        assert_eq!(second.to_vec(), vec![Flush::Endpoint { vip: ip("198.19.0.53"), port: 53, endpoint: ip("198.18.2.1") }]);
+        assert_eq!(second.to_vec(), vec![Flush::Endpoint { vip: ip("198.19.0.53"), port: 53, endpoint: ip("198.18.2.1"), endpoint_port: 5353 }]);
         assert!(c.plan(&batch(Protocol::Udp, &["198.18.2.2"])).is_empty());
+    }
+
+    #[test]
+    fn a_changed_target_port_flushes_the_old_endpoint_port_of_the_same_pod() {
+        // Kubernetes' e2e "should be able to cleanup conntrack entries when UDP service
+        // target port changes for a NodePort service": the pod stays, its port goes from
+        // 8080 to 9090; a client keeping its source port stayed pinned to 8080 while the
+        // flush looked at endpoint addresses only.
+        let port = |endpoint_port: u16| {
+            let mut sp = ServicePort::cluster_ip("ns", "svc-udp", "udp", Protocol::Udp, ip("198.19.0.80"), 80);
+            sp.node_port = Some(31131);
+            let cluster = vec![Endpoint::ready(ip("198.18.241.130"), endpoint_port)];
+            let d = DesiredPort { port: sp, v4: Categorized { cluster, local: vec![], has_any: true }, v6: Categorized::default() };
+            SyncBatch { full: false, services: vec![(NamespacedName::new("ns", "svc-udp"), vec![d])] }
+        };
+        let mut c = ConntrackCleaner::default();
+        c.plan(&port(8080));
+        let set = c.plan(&port(9090));
+        assert_eq!(
+            set.to_vec(),
+            vec![
+                Flush::Endpoint { vip: ip("198.19.0.80"), port: 80, endpoint: ip("198.18.241.130"), endpoint_port: 8080 },
+                Flush::NodePortEndpoint { port: 31131, endpoint: ip("198.18.241.130"), endpoint_port: 8080 },
+            ]
+        );
+        let client = "198.18.241.5";
+        assert!(set.matches(&udp((client, 12345, "198.18.240.3", 31131), ("198.18.241.130", 8080))), "the old NodePort flow");
+        assert!(set.matches(&udp((client, 12345, "198.19.0.80", 80), ("198.18.241.130", 8080))), "the old ClusterIP flow");
+        assert!(!set.matches(&udp((client, 12345, "198.18.240.3", 31131), ("198.18.241.130", 9090))), "a flow on the new port stays");
     }
 
     #[test]
@@ -274,15 +312,16 @@ mod tests {
     #[test]
     fn the_filter_picks_exactly_what_the_conntrack_tool_would() {
         let mut set = FlushSet::default();
-        set.insert(Flush::Endpoint { vip: ip("198.19.0.53"), port: 53, endpoint: ip("198.18.2.1") });
+        set.insert(Flush::Endpoint { vip: ip("198.19.0.53"), port: 53, endpoint: ip("198.18.2.1"), endpoint_port: 5353 });
         set.insert(Flush::NotDnatted { vip: ip("198.19.0.54"), port: 53 });
         set.insert(Flush::Service { vip: ip("198.19.0.55"), port: 53 });
-        set.insert(Flush::NodePortEndpoint { port: 30053, endpoint: ip("198.18.2.1") });
-        set.insert(Flush::Endpoint { vip: ip("fd00:10:96::35"), port: 53, endpoint: ip("fd00:2::1") });
+        set.insert(Flush::NodePortEndpoint { port: 30053, endpoint: ip("198.18.2.1"), endpoint_port: 5353 });
+        set.insert(Flush::Endpoint { vip: ip("fd00:10:96::35"), port: 53, endpoint: ip("fd00:2::1"), endpoint_port: 5353 });
         let c = "198.18.1.2";
         let cases = [
             // --orig-dst 198.19.0.53 --orig-port-dst 53 --dst-nat 198.18.2.1
             (udp((c, 4000, "198.19.0.53", 53), ("198.18.2.1", 5353)), true),
+            (udp((c, 4000, "198.19.0.53", 53), ("198.18.2.1", 5354)), false),
             (udp((c, 4000, "198.19.0.53", 53), ("198.18.2.2", 5353)), false),
             (udp((c, 4000, "198.19.0.53", 54), ("198.18.2.1", 5353)), false),
             (udp((c, 4000, "198.19.0.53", 53), ("198.19.0.53", 53)), false),
@@ -295,6 +334,7 @@ mod tests {
             (udp((c, 4000, "198.19.0.55", 80), ("198.19.0.55", 80)), false),
             // --orig-port-dst 30053 --dst-nat 198.18.2.1, to any node address
             (udp((c, 4000, "198.18.1.1", 30053), ("198.18.2.1", 5353)), true),
+            (udp((c, 4000, "198.18.1.1", 30053), ("198.18.2.1", 9090)), false),
             (udp((c, 4000, "198.18.1.1", 30053), ("198.18.1.1", 30053)), false),
             (udp(("fd00:1::2", 4000, "fd00:10:96::35", 53), ("fd00:2::1", 5353)), true),
             (udp(("fd00:1::2", 4000, "fd00:10:96::35", 53), ("fd00:2::2", 5353)), false),

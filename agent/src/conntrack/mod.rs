@@ -6,11 +6,11 @@
 //!   address:port stale even though the pod stays (Kubernetes' e2e "should be able to
 //!   cleanup conntrack entries when UDP service target port changes for a NodePort
 //!   service");
-//! - entries of a VIP whose Service port went from no endpoints to some (traffic sent
-//!   while it had none must not stay pinned to the reject) — only those that were not
-//!   DNATed (reply source = the VIP itself): a flow the new rules already sent to an
-//!   endpoint, between the commit and this flush, keeps its endpoint (as kube-proxy's
-//!   cleanup keeps entries whose endpoint is serving);
+//! - entries of a VIP, and of the NodePort, whose Service port went from no endpoints to
+//!   some (traffic sent while it had none must not stay pinned to the reject) — only those
+//!   that were not DNATed (reply source = the original destination): a flow the new rules
+//!   already sent to an endpoint, between the commit and this flush, keeps its endpoint (as
+//!   kube-proxy's cleanup keeps entries whose endpoint is serving);
 //! - entries of a VIP whose Service port is gone.
 //!
 //! [`ConntrackCleaner::plan`] (pure) says what, as a [`FlushSet`]: hash sets that decide
@@ -41,6 +41,8 @@ pub enum Flush {
     Service { vip: IpAddr, port: u16 },
     /// UDP entries to `vip:port` that were not DNATed to an endpoint.
     NotDnatted { vip: IpAddr, port: u16 },
+    /// UDP entries to the NodePort `port`, at any address of `family`, that were not DNATed.
+    NotDnattedNodePort { family: IpFamily, port: u16 },
     /// UDP entries to `vip:port` DNATed to `endpoint:endpoint_port`.
     Endpoint { vip: IpAddr, port: u16, endpoint: IpAddr, endpoint_port: u16 },
     /// UDP entries to the NodePort `port` DNATed to `endpoint:endpoint_port`.
@@ -55,6 +57,7 @@ pub enum Flush {
 pub struct FlushSet {
     services: HashSet<(IpAddr, u16)>,
     not_dnatted: HashSet<(IpAddr, u16)>,
+    not_dnatted_node_ports: HashSet<(IpFamily, u16)>,
     endpoints: HashSet<(IpAddr, u16, IpAddr, u16)>,
     node_port_endpoints: HashSet<(u16, IpAddr, u16)>,
 }
@@ -64,6 +67,7 @@ impl FlushSet {
         match f {
             Flush::Service { vip, port } => self.services.insert((vip, port)),
             Flush::NotDnatted { vip, port } => self.not_dnatted.insert((vip, port)),
+            Flush::NotDnattedNodePort { family, port } => self.not_dnatted_node_ports.insert((family, port)),
             Flush::Endpoint { vip, port, endpoint, endpoint_port } => self.endpoints.insert((vip, port, endpoint, endpoint_port)),
             Flush::NodePortEndpoint { port, endpoint, endpoint_port } => self.node_port_endpoints.insert((port, endpoint, endpoint_port)),
         };
@@ -73,12 +77,17 @@ impl FlushSet {
     pub fn merge(&mut self, other: FlushSet) {
         self.services.extend(other.services);
         self.not_dnatted.extend(other.not_dnatted);
+        self.not_dnatted_node_ports.extend(other.not_dnatted_node_ports);
         self.endpoints.extend(other.endpoints);
         self.node_port_endpoints.extend(other.node_port_endpoints);
     }
 
     pub fn len(&self) -> usize {
-        self.services.len() + self.not_dnatted.len() + self.endpoints.len() + self.node_port_endpoints.len()
+        self.services.len()
+            + self.not_dnatted.len()
+            + self.not_dnatted_node_ports.len()
+            + self.endpoints.len()
+            + self.node_port_endpoints.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -89,6 +98,7 @@ impl FlushSet {
     pub fn families(&self) -> Vec<IpFamily> {
         let mut seen = BTreeSet::new();
         seen.extend(self.services.iter().chain(&self.not_dnatted).map(|(ip, _)| IpFamily::of(ip)));
+        seen.extend(self.not_dnatted_node_ports.iter().map(|(family, _)| *family));
         seen.extend(self.endpoints.iter().map(|(ip, _, _, _)| IpFamily::of(ip)));
         seen.extend(self.node_port_endpoints.iter().map(|(_, ip, _)| IpFamily::of(ip)));
         seen.into_iter().collect()
@@ -104,7 +114,8 @@ impl FlushSet {
             return true;
         }
         if e.reply.src == e.orig.dst {
-            return self.not_dnatted.contains(&to);
+            return self.not_dnatted.contains(&to)
+                || self.not_dnatted_node_ports.contains(&(IpFamily::of(&e.orig.dst), e.orig.dport));
         }
         let (endpoint, endpoint_port) = (e.reply.src, e.reply.sport);
         self.endpoints.contains(&(to.0, to.1, endpoint, endpoint_port))
@@ -115,6 +126,7 @@ impl FlushSet {
     pub fn to_vec(&self) -> Vec<Flush> {
         let mut v: Vec<Flush> = self.services.iter().map(|&(vip, port)| Flush::Service { vip, port }).collect();
         v.extend(self.not_dnatted.iter().map(|&(vip, port)| Flush::NotDnatted { vip, port }));
+        v.extend(self.not_dnatted_node_ports.iter().map(|&(family, port)| Flush::NotDnattedNodePort { family, port }));
         v.extend(self.endpoints.iter().map(|&(vip, port, endpoint, endpoint_port)| Flush::Endpoint { vip, port, endpoint, endpoint_port }));
         v.extend(
             self.node_port_endpoints
@@ -232,6 +244,9 @@ fn diff(
             for vip in &n.vips {
                 out.insert(Flush::NotDnatted { vip: *vip, port: n.port });
             }
+            if let Some(np) = n.node_port {
+                out.insert(Flush::NotDnattedNodePort { family: key.1, port: np });
+            }
         }
     }
 }
@@ -298,6 +313,34 @@ mod tests {
         assert!(set.matches(&udp((client, 12345, "198.18.240.3", 31131), ("198.18.241.130", 8080))), "the old NodePort flow");
         assert!(set.matches(&udp((client, 12345, "198.19.0.80", 80), ("198.18.241.130", 8080))), "the old ClusterIP flow");
         assert!(!set.matches(&udp((client, 12345, "198.18.240.3", 31131), ("198.18.241.130", 9090))), "a flow on the new port stays");
+    }
+
+    #[test]
+    fn a_node_port_that_gains_endpoints_flushes_the_flows_sent_while_it_had_none() {
+        // Kubernetes' e2e "should be able to preserve UDP traffic when server pod cycles for
+        // a NodePort service": a client probing the NodePort from one source port before
+        // the server exists keeps an entry that was never DNATed (refreshed every second);
+        // it stayed so after the endpoint came, while only the VIPs' entries were flushed.
+        let port = |eps: &[&str]| {
+            let mut sp = ServicePort::cluster_ip("ns", "svc-udp", "udp", Protocol::Udp, ip("198.19.0.80"), 80);
+            sp.node_port = Some(31637);
+            let cluster: Vec<Endpoint> = eps.iter().map(|e| Endpoint::ready(ip(e), 80)).collect();
+            let has_any = !cluster.is_empty();
+            let d = DesiredPort { port: sp, v4: Categorized { cluster, local: vec![], has_any }, v6: Categorized::default() };
+            SyncBatch { full: false, services: vec![(NamespacedName::new("ns", "svc-udp"), vec![d])] }
+        };
+        let mut c = ConntrackCleaner::default();
+        assert!(c.plan(&port(&[])).is_empty(), "no endpoints yet: nothing to flush");
+        let set = c.plan(&port(&["198.18.241.130"]));
+        assert_eq!(
+            set.to_vec(),
+            vec![Flush::NotDnatted { vip: ip("198.19.0.80"), port: 80 }, Flush::NotDnattedNodePort { family: IpFamily::V4, port: 31637 }]
+        );
+        let client = "198.18.241.5";
+        assert!(set.matches(&udp((client, 12345, "198.18.240.3", 31637), ("198.18.240.3", 31637))), "sent while it had none");
+        assert!(!set.matches(&udp((client, 12345, "198.18.240.3", 31637), ("198.18.241.130", 80))), "already DNATed: kept");
+        assert!(!set.matches(&udp(("fd00:1::5", 12345, "fd00:1::3", 31637), ("fd00:1::3", 31637))), "the other family");
+        assert_eq!(set.families(), vec![IpFamily::V4]);
     }
 
     #[test]

@@ -523,8 +523,14 @@ async fn wait_unrecorded(client: &Client, ip: IpAddr, limit: Duration) {
 async fn lifecycle_cases(backend: &str, slice: Slice) {
     let cp = control_plane();
     // A short in-flight limit, so an answered address whose request failed comes back
-    // within the test.
-    let wh = Webhook::start_with(&cp, backend, slice, |h| h.flags(&["--in-flight-limit", "20s"])).await;
+    // within the test. The limit must exceed the kube-apiserver's request timeout, which the
+    // controller cannot read: the dev apiserver keeps Kubernetes' 60 s, and the test states
+    // the bound its own requests meet (a Service create on a quiet cluster: well under 5 s),
+    // as an operator states the cluster's.
+    let wh = Webhook::start_with(&cp, backend, slice, |h| {
+        h.flags(&["--in-flight-limit", "20s", "--apiserver-request-timeout", "5s"])
+    })
+    .await;
     let api = wh.services();
     let create = |svc: Service| {
         let api = api.clone();
@@ -792,7 +798,19 @@ async fn ipaddress_backend_paused_replica_never_answers_from_a_block_taken_over(
     let _one_at_a_time = BURST.lock().await;
     let cp = control_plane();
     let slice = Slice(13);
-    let flags = ["--address-block-size", "32", "--address-block-lease-duration", "12s", "--address-block-margin", "6s"];
+    // D = 12 s, M = 6 s, as issue 32's figures: M must exceed the apiserver's request
+    // timeout, stated here as the 5 s bound this test's requests meet (the dev apiserver
+    // keeps 60 s; see lifecycle_cases).
+    let flags = [
+        "--address-block-size",
+        "32",
+        "--address-block-lease-duration",
+        "12s",
+        "--address-block-margin",
+        "6s",
+        "--apiserver-request-timeout",
+        "5s",
+    ];
     let wh = Webhook::start_with(&cp, "ipaddress", slice, |h| {
         h.replicas(2);
         h.flags(&flags);

@@ -62,6 +62,23 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repository root")
 }
 
+/// Check the commit a binary was stamped with (`--version`, `*_build_info`; build.rs): with
+/// `CLUSTERIP_COMMIT` unset and the source a git checkout, it is a short hash of HEAD or of
+/// one of its ancestors — HEAD when it was built; a commit made while the suite runs moves
+/// HEAD on, so comparing with HEAD itself would race.
+pub fn assert_commit_stamp(stamp: &str) {
+    if std::env::var("CLUSTERIP_COMMIT").is_ok() {
+        return;
+    }
+    let git = |args: &[&str]| Command::new("git").args(args).current_dir(repo_root()).output();
+    if !git(&["rev-parse", "--git-dir"]).is_ok_and(|o| o.status.success()) {
+        return;
+    }
+    assert!(stamp.len() >= 7 && stamp.bytes().all(|b| b.is_ascii_hexdigit()), "a short commit hash: {stamp:?}");
+    let ancestor = git(&["merge-base", "--is-ancestor", stamp, "HEAD"]).expect("run git merge-base");
+    assert!(ancestor.status.success(), "{stamp} is HEAD or one of its ancestors");
+}
+
 /// The control plane of this test binary, started on first use.
 pub fn control_plane() -> Arc<ControlPlane> {
     SHARED.get_or_init(|| Arc::new(start_or_reuse())).clone()

@@ -426,23 +426,28 @@ fn relative(from: &Path, to: &Path) -> PathBuf {
     path
 }
 
-#[test]
-fn cert_manager_component_renders() {
-    // An overlay outside deploy/ (inside it kustomize sees a cycle), as docs/operations.md says.
+/// `kubectl kustomize` of deploy/ with one of its optional components, through an overlay
+/// outside deploy/ (inside it kustomize sees a cycle), as docs/operations.md says.
+fn render_with_component(component: &str) -> String {
     let overlay = tempfile::tempdir().expect("tempdir");
-    let root = repo_root();
-    let rel = relative(&overlay.path().canonicalize().expect("canonical tempdir"), &root);
+    let rel = relative(&overlay.path().canonicalize().expect("canonical tempdir"), &repo_root());
     std::fs::write(
         overlay.path().join("kustomization.yaml"),
         format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{0}/deploy]\ncomponents: [{0}/deploy/cert-manager]\n",
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{0}/deploy]\ncomponents: [{0}/deploy/{component}]\n",
             rel.display()
         ),
     )
     .expect("write overlay");
     let out = Command::new(kubectl_path()).arg("kustomize").arg(overlay.path()).output().expect("run kubectl kustomize");
-    assert!(out.status.success(), "kubectl kustomize (deploy + cert-manager component): {}", text(&out));
-    let yaml = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "kubectl kustomize (deploy + {component} component): {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn cert_manager_component_renders() {
+    let root = repo_root();
+    let yaml = render_with_component("cert-manager");
     for needle in [
         "kind: Issuer",
         "kind: Certificate",
@@ -478,20 +483,8 @@ fn cert_manager_component_renders() {
 /// (scripts/test-monitoring.sh checks the rest against a real Prometheus and apiserver.)
 #[test]
 fn monitoring_component_renders() {
-    let overlay = tempfile::tempdir().expect("tempdir");
     let root = repo_root();
-    let rel = relative(&overlay.path().canonicalize().expect("canonical tempdir"), &root);
-    std::fs::write(
-        overlay.path().join("kustomization.yaml"),
-        format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{0}/deploy]\ncomponents: [{0}/deploy/monitoring]\n",
-            rel.display()
-        ),
-    )
-    .expect("write overlay");
-    let out = Command::new(kubectl_path()).arg("kustomize").arg(overlay.path()).output().expect("run kubectl kustomize");
-    assert!(out.status.success(), "kubectl kustomize (deploy + monitoring component): {}", text(&out));
-    let yaml = String::from_utf8_lossy(&out.stdout);
+    let yaml = render_with_component("monitoring");
     let docs: Vec<serde_json::Value> = yaml
         .split("\n---\n")
         .map(|d| serde_yaml::from_str(d).unwrap_or_else(|e| panic!("rendered YAML: {e}:\n{d}")))

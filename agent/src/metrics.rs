@@ -23,12 +23,6 @@ pub struct CodeLabel {
     pub code: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BuildInfoLabels {
-    pub version: &'static str,
-    pub commit: &'static str,
-}
-
 /// The version of this build (Cargo's) and the commit it was built from (build.rs:
 /// `CLUSTERIP_COMMIT`, else `git rev-parse --short HEAD`, else "unknown").
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -56,7 +50,6 @@ pub struct Metrics {
     pub service_ports: Gauge,
     pub healthz: Family<CodeLabel, Counter>,
     pub livez: Family<CodeLabel, Counter>,
-    pub build_info: Family<BuildInfoLabels, Gauge>,
 }
 
 fn programming_buckets() -> Vec<f64> {
@@ -101,7 +94,6 @@ impl Metrics {
             service_ports: Gauge::default(),
             healthz: Family::default(),
             livez: Family::default(),
-            build_info: Family::default(),
             registry: Registry::default(),
             process: Registry::default(),
         };
@@ -146,12 +138,7 @@ impl Metrics {
         registry.register("service_ports", "Service ports known", m.service_ports.clone());
         registry.register("proxy_healthz", "/healthz answers by HTTP code", m.healthz.clone());
         registry.register("proxy_livez", "/livez answers by HTTP code", m.livez.clone());
-        registry.register(
-            "build_info",
-            "A metric with a constant '1' value labeled by the version and the commit clusterip-agent was built from",
-            m.build_info.clone(),
-        );
-        m.build_info.get_or_create(&BuildInfoLabels { version: VERSION, commit: COMMIT }).set(1);
+        clusterip_process_metrics::register_build_info(&mut registry, "clusterip-agent", VERSION, COMMIT);
         let mut process = Registry::default();
         clusterip_process_metrics::register(&mut process);
         Metrics { registry, process, ..m }

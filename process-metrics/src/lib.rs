@@ -18,6 +18,9 @@
 #![forbid(unsafe_code)]
 
 use prometheus_client::collector::Collector;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
@@ -151,4 +154,24 @@ mod tests {
         }
         assert!(text.contains("# TYPE process_cpu_seconds counter"), "{text}");
     }
+}
+
+/// The labels of `<prefix>_build_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildInfoLabels {
+    version: &'static str,
+    commit: &'static str,
+}
+
+/// Register `build_info` (under the registry's prefix: `clusterip_build_info`,
+/// `clusterip_agent_build_info`): a gauge always 1, labelled by the `version` and the
+/// `commit` `binary` was built from.
+pub fn register_build_info(registry: &mut Registry, binary: &str, version: &'static str, commit: &'static str) {
+    let info = Family::<BuildInfoLabels, Gauge>::default();
+    info.get_or_create(&BuildInfoLabels { version, commit }).set(1);
+    registry.register(
+        "build_info",
+        format!("A metric with a constant '1' value labeled by the version and the commit {binary} was built from"),
+        info,
+    );
 }

@@ -91,12 +91,6 @@ pub struct NameLabels {
     pub name: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BuildInfoLabels {
-    pub version: &'static str,
-    pub commit: &'static str,
-}
-
 /// The version of this build (Cargo's) and the commit it was built from (build.rs:
 /// `CLUSTERIP_COMMIT`, else `git rev-parse --short HEAD`, else "unknown").
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -129,7 +123,6 @@ pub struct Metrics {
     pub reconcile_errors: Family<ControllerLabels, Counter>,
     pub repair_ip_errors: Family<RepairLabels, Counter>,
     pub repair_reconcile_errors: Counter,
-    pub build_info: Family<BuildInfoLabels, Gauge>,
 }
 
 /// The label values each labelled counter knows in advance (reported at 0 from the start).
@@ -173,7 +166,6 @@ impl Metrics {
             reconcile_errors: Family::default(),
             repair_ip_errors: Family::default(),
             repair_reconcile_errors: Counter::default(),
-            build_info: Family::default(),
         };
         let registry = &mut m.registry;
         let alloc = registry.sub_registry_with_prefix("allocator");
@@ -239,12 +231,7 @@ impl Metrics {
             "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease. Please make sure to group by name.",
             m.leader_election_master_status.clone(),
         );
-        m.registry.register(
-            "build_info",
-            "A metric with a constant '1' value labeled by the version and the commit clusterip was built from",
-            m.build_info.clone(),
-        );
-        m.build_info.get_or_create(&BuildInfoLabels { version: VERSION, commit: COMMIT }).set(1);
+        clusterip_process_metrics::register_build_info(&mut m.registry, "clusterip", VERSION, COMMIT);
         clusterip_process_metrics::register(&mut m.kubernetes);
         m.report_known_labels_at_zero();
         m

@@ -550,7 +550,9 @@ kc_until() {
 # policy, the images' tag (dev, built by scripts/build-images.sh) and the apiserver endpoint
 # the agent uses (it cannot reach the apiserver through a ClusterIP it has yet to program).
 # The etcd backend (CLUSTERIP_NODE_BACKEND=etcd): the node's etcd, as operations.md says to
-# point --etcd-endpoints at one the pods reach. (args/1 is deploy/'s --backend=ipaddress.)
+# point --etcd-endpoints at one the pods reach, without --use-servicecidrs (the etcd backend
+# serves --service-cidr only). (args/1 is deploy/'s --backend=ipaddress, args/15 its
+# --use-servicecidrs: the test op fails the patch if that moved.)
 deploy_backend_patch() {
   [ "$BACKEND" = etcd ] || return 0
   cat <<EOF
@@ -559,6 +561,11 @@ deploy_backend_patch() {
       - op: replace
         path: /spec/template/spec/containers/0/args/1
         value: --backend=etcd
+      - op: test
+        path: /spec/template/spec/containers/0/args/15
+        value: --use-servicecidrs
+      - op: remove
+        path: /spec/template/spec/containers/0/args/15
       - op: add
         path: /spec/template/spec/containers/0/args/-
         value: --etcd-endpoints=http://$NODE_IP:2379

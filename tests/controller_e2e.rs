@@ -228,7 +228,9 @@ impl Webhook {
     /// [`wait_registered`](Self::wait_registered) through `api` (another apiserver's client).
     async fn wait_called_through(&self, api: &Api<Service>) {
         let dry = PostParams { dry_run: true, ..Default::default() };
-        let probe = service("probe", |s| s.cluster_ip = Some("198.19.200.5".into()));
+        // Outside every range any test's controller allocates from (also the cluster's own
+        // 198.19.0.0/16, which a controller following ServiceCIDR objects serves).
+        let probe = service("probe", |s| s.cluster_ip = Some("198.18.199.5".into()));
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             match api.create(&dry, &probe).await {
@@ -1277,6 +1279,88 @@ async fn servicecidr_settles_beside_kube_controller_manager() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// `--use-servicecidrs` on the controller (the ipaddress backend's address blocks): a
+/// ServiceCIDR object created while it runs is followed as the kube-apiserver's own allocator
+/// follows it — an address requested in its range is admitted (before: refused as "the
+/// provided network does not match the current range", which is what Kubernetes' e2e
+/// "Service CIDRs should create Services and serve on different Service CIDRs" found), new
+/// addresses come from it once the `--service-cidr` range is full, and once it is being
+/// deleted neither happens. Then, its Services gone, the ServiceCIDR goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_follows_servicecidr_objects() {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    use clusterip_test_support::poll::eventually_some;
+    let cp = control_plane();
+    let slice = Slice(24);
+    let flag_range = clusterip::cidr::ServiceCidr::parse("198.19.192.0/28").expect("range");
+    let wh = Webhook::start_with(&cp, "ipaddress", slice, |h| {
+        h.ranges = vec![flag_range.to_string()];
+        h.flags(&["--use-servicecidrs"]);
+    })
+    .await;
+    let api = wh.services();
+    // Named to sort before the cluster's own "kubernetes" ServiceCIDR (198.19.0.0/16, which
+    // the controller follows too): objects' ranges are tried by name, after --service-cidr.
+    let name = format!("a-{}", unique_name("cidr"));
+    let cidrs: Api<ServiceCIDR> = Api::all(wh.client.clone());
+    let extra = clusterip::cidr::ServiceCidr::parse("198.18.236.0/28").expect("range");
+    let sc: ServiceCIDR = serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": [extra.to_string()]}})).expect("ServiceCIDR");
+    let requested: IpAddr = "198.18.236.5".parse().expect("ip");
+    expect_422(&api, &service("early", |s| s.cluster_ip = Some(requested.to_string())), "denied the request: Service \"early\" is invalid: spec.clusterIPs: Invalid value: [\"198.18.236.5\"]: failed to allocate IP 198.18.236.5: the provided network does not match the current range").await;
+    cidrs.create(&PostParams::default(), &sc).await.expect("create ServiceCIDR");
+    let _cleanup = ServiceCidrOnDrop(cidrs.clone(), name.clone());
+
+    // The requested address, once both the apiserver and the controller follow the object.
+    let svc = eventually_some("a Service with an address of the new ServiceCIDR is admitted", Duration::from_secs(60), Duration::from_millis(250), || {
+        let api = api.clone();
+        async move { api.create(&PostParams::default(), &service("requested", |s| s.cluster_ip = Some(requested.to_string()))).await.ok() }
+    })
+    .await;
+    assert_eq!(ips(&svc), vec![requested]);
+
+    // New addresses: the --service-cidr range first, then the ServiceCIDR's.
+    let mut got = Vec::new();
+    for i in 0..(flag_range.size() + extra.size() - 1) {
+        let svc = api.create(&PostParams::default(), &service(&format!("dyn-{i}"), |_| {})).await.unwrap_or_else(|e| panic!("create {i}: {e}"));
+        got.extend(ips(&svc));
+    }
+    let n = flag_range.size() as usize;
+    assert!(got[..n].iter().all(|ip| flag_range.contains(*ip)), "left --service-cidr before it was full: {got:?}");
+    assert!(got[n..].iter().all(|ip| extra.contains(*ip)), "not from the ServiceCIDR once --service-cidr was full: {got:?}");
+    let unique: BTreeSet<IpAddr> = got.iter().copied().chain([requested]).collect();
+    assert_eq!(unique.len(), got.len() + 1, "an address given twice: {got:?}");
+
+    // Being deleted (its addresses in use keep it, Ready=False): nothing new from it.
+    cidrs.delete(&name, &DeleteParams::default()).await.expect("delete ServiceCIDR");
+    api.delete("requested", &DeleteParams::default()).await.expect("delete a Service");
+    eventually_some("a requested address of a ServiceCIDR being deleted is refused", Duration::from_secs(60), Duration::from_millis(250), || {
+        let api = api.clone();
+        async move {
+            match api.create(&PostParams::default(), &service("late", |s| s.cluster_ip = Some(requested.to_string()))).await {
+                // Ours ("denied the request"), not only the apiserver's own allocator's.
+                Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("denied the request") => {
+                    assert!(s.message.contains("the provided network does not match the current range"), "{s:?}");
+                    Some(())
+                }
+                Err(_) => None,
+                Ok(_) => {
+                    let _ = api.delete("late", &DeleteParams::default()).await;
+                    None
+                }
+            }
+        }
+    })
+    .await;
+    // Its Services gone, so is the ServiceCIDR (our reconciler removes the finalizer).
+    api.delete_collection(&DeleteParams::default(), &ListParams::default()).await.expect("delete the Services");
+    eventually_some("the ServiceCIDR is gone", Duration::from_secs(90), Duration::from_millis(250), || {
+        let cidrs = cidrs.clone();
+        let name = name.clone();
+        async move { cidrs.get_opt(&name).await.ok().filter(Option::is_none).map(|_| ()) }
+    })
+    .await;
 }
 
 /// Deletes a ServiceCIDR when dropped (finalizers run their course in the cluster).

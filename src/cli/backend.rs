@@ -33,7 +33,10 @@ pub struct BackendArgs {
     pub service_cidrs: Vec<String>,
 
     /// (ipaddress backend) Also allocate from the cluster's ServiceCIDR objects that are
-    /// Ready and not being deleted.
+    /// Ready and not being deleted, as the kube-apiserver's own allocator does (ranges added
+    /// with `kubectl apply -f servicecidr.yaml` are followed while running). The
+    /// `--service-cidr` ranges come first and always give addresses; an address requested in
+    /// any followed range is accepted; new ones come from the next range once one is full.
     #[arg(long)]
     pub use_servicecidrs: bool,
 
@@ -99,8 +102,11 @@ impl BackendArgs {
                 }
                 let options = BlockOptions::new(c.address_block_size, c.address_block_lease_duration, c.address_block_margin).map_err(anyhow::Error::msg)?;
                 // (The blocks count every IPAddress object as allocated and report unreadable ones.)
-                let store: Arc<dyn AllocationStore> = BlockStore::open(c.client.clone(), c.namespace, ranges, c.recorded.clone(), c.identity, options).await?;
-                (store, None)
+                let store = BlockStore::open(c.client.clone(), c.namespace, ranges, c.recorded.clone(), c.identity, options).await?;
+                if self.use_servicecidrs {
+                    store.follow_servicecidrs(kube::Api::all(c.client.clone()), SERVICECIDR_LIST_WITHIN).await?;
+                }
+                (store as Arc<dyn AllocationStore>, None)
             }
             (BackendKind::Ipaddress, Role::Command { .. }) => {
                 if ranges.is_empty() && !self.use_servicecidrs {
@@ -155,18 +161,18 @@ impl BackendArgs {
             Role::Command { etcd_address_pool: 0 } => None,
             Role::Command { etcd_address_pool } => Some((Some(*etcd_address_pool), None)).filter(|_| self.backend == BackendKind::Ipaddress),
         };
-        refuse_unhonoured(self.backend, self.use_servicecidrs && role.is_controller(), self.use_servicecidrs, controller)
+        refuse_unhonoured(self.backend, self.use_servicecidrs, controller)
     }
 }
 
+/// How long a starting controller waits for the first list of ServiceCIDR objects.
+const SERVICECIDR_LIST_WITHIN: Duration = Duration::from_secs(30);
+
 /// The rules of [`BackendArgs::refuse_unhonoured`], on the flags alone: `pool_and_blocks`
 /// holds `--etcd-address-pool` and `--address-block-size` where they were given.
-fn refuse_unhonoured(backend: BackendKind, controller_servicecidrs: bool, use_servicecidrs: bool, pool_and_blocks: Option<(Option<usize>, Option<u64>)>) -> anyhow::Result<()> {
+fn refuse_unhonoured(backend: BackendKind, use_servicecidrs: bool, pool_and_blocks: Option<(Option<usize>, Option<u64>)>) -> anyhow::Result<()> {
     if use_servicecidrs && backend == BackendKind::Etcd {
         anyhow::bail!("--use-servicecidrs needs --backend ipaddress: the etcd backend allocates from --service-cidr only");
-    }
-    if controller_servicecidrs {
-        anyhow::bail!("the controller does not take --use-servicecidrs: it assigns Service addresses from --service-cidr only (its address blocks are cut from those ranges); name every range with --service-cidr");
     }
     let Some((etcd_address_pool, address_block_size)) = pool_and_blocks else { return Ok(()) };
     match backend {
@@ -191,12 +197,6 @@ pub enum Role<'a> {
     /// A one-shot command (`allocate`, `release`): the etcd backend with an address pool of
     /// this size (0: none); the ipaddress backend's object writer.
     Command { etcd_address_pool: usize },
-}
-
-impl Role<'_> {
-    fn is_controller(&self) -> bool {
-        matches!(self, Role::Controller(_))
-    }
 }
 
 /// What a controller replica's backend needs beside [`BackendArgs`].
@@ -268,20 +268,21 @@ pub async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result
 mod tests {
     use super::{refuse_unhonoured, BackendKind};
 
-    fn refused(backend: BackendKind, controller: bool, use_servicecidrs: bool, pool_and_blocks: Option<(Option<usize>, Option<u64>)>) -> Option<String> {
-        refuse_unhonoured(backend, controller && use_servicecidrs, use_servicecidrs, pool_and_blocks).err().map(|e| e.to_string())
+    fn refused(backend: BackendKind, use_servicecidrs: bool, pool_and_blocks: Option<(Option<usize>, Option<u64>)>) -> Option<String> {
+        refuse_unhonoured(backend, use_servicecidrs, pool_and_blocks).err().map(|e| e.to_string())
     }
 
     #[test]
     fn a_flag_the_chosen_store_does_not_honour_is_refused() {
-        // --use-servicecidrs: only the one-shot commands' IPAddress store reads ServiceCIDRs.
-        assert_eq!(refused(BackendKind::Ipaddress, false, true, None), None);
-        assert!(refused(BackendKind::Etcd, false, true, None).is_some_and(|e| e.starts_with("--use-servicecidrs needs --backend ipaddress")));
-        assert!(refused(BackendKind::Ipaddress, true, true, Some((None, None))).is_some_and(|e| e.starts_with("the controller does not take --use-servicecidrs")));
+        // --use-servicecidrs: both IPAddress stores (the controller's blocks, the commands'
+        // object writer) follow ServiceCIDRs; the etcd maps do not.
+        assert_eq!(refused(BackendKind::Ipaddress, true, None), None);
+        assert_eq!(refused(BackendKind::Ipaddress, true, Some((None, None))), None);
+        assert!(refused(BackendKind::Etcd, true, None).is_some_and(|e| e.starts_with("--use-servicecidrs needs --backend ipaddress")));
         // Each backend's own way of answering from memory.
-        assert!(refused(BackendKind::Etcd, true, false, Some((None, Some(32)))).is_some_and(|e| e.starts_with("--address-block-size needs --backend ipaddress")));
-        assert!(refused(BackendKind::Ipaddress, true, false, Some((Some(0), None))).is_some_and(|e| e.starts_with("--etcd-address-pool needs --backend etcd")));
-        assert_eq!(refused(BackendKind::Etcd, true, false, Some((Some(64), None))), None);
-        assert_eq!(refused(BackendKind::Ipaddress, true, false, Some((None, Some(32)))), None);
+        assert!(refused(BackendKind::Etcd, false, Some((None, Some(32)))).is_some_and(|e| e.starts_with("--address-block-size needs --backend ipaddress")));
+        assert!(refused(BackendKind::Ipaddress, false, Some((Some(0), None))).is_some_and(|e| e.starts_with("--etcd-address-pool needs --backend etcd")));
+        assert_eq!(refused(BackendKind::Etcd, false, Some((Some(64), None))), None);
+        assert_eq!(refused(BackendKind::Ipaddress, false, Some((None, Some(32)))), None);
     }
 }

@@ -113,6 +113,12 @@ impl Holdings {
         held_in(&self.ranges, svc)
     }
 
+    /// The store's ranges now (they change while the controller follows ServiceCIDR
+    /// objects): a Service's addresses in a range added since are its holdings too.
+    pub fn set_ranges(&mut self, ranges: Vec<crate::cidr::ServiceCidr>) {
+        self.ranges = ranges;
+    }
+
     /// A relist begins: what Services held before is forgotten (a Service seen again
     /// gives up nothing on its first event).
     pub fn relist(&mut self) {
@@ -219,6 +225,7 @@ pub async fn run(client: kube::Client, store: Arc<dyn AllocationStore>, recorded
                 continue;
             }
         };
+        holdings.set_ranges(store.ranges());
         let result = match &ev {
             Ok(Event::Apply(svc)) | Ok(Event::InitApply(svc)) => {
                 for ip in holdings.applied(svc) {

@@ -65,6 +65,10 @@ impl AllocationStore for MeteredStore {
         self.inner.ranges()
     }
 
+    fn families(&self) -> Vec<crate::cidr::Family> {
+        self.inner.families()
+    }
+
     async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
         let started = Instant::now();
         let r = self.inner.allocate(ip, parent).await;

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::alloc::AllocError;
 use crate::cidr::{Family, ServiceCidr};
 
-pub use ranges::RangeSet;
+pub use ranges::{families_of, servicecidr_ranges, wanted_ranges, RangeSet};
 
 /// Where allocation records live: the backends a controller runs with. `as_str()` is the
 /// name logs, metrics and reports give it (and `--backend` takes).
@@ -250,8 +250,16 @@ pub trait AllocationStore: Send + Sync {
     /// for the unit tests' store).
     fn backend(&self) -> &'static str;
 
-    /// The ranges addresses come from, in configuration order.
+    /// The ranges addresses come from now, in the order they are tried (configuration
+    /// order; with ServiceCIDR objects followed, theirs after the configured ones).
     fn ranges(&self) -> Vec<ServiceCidr>;
+
+    /// The cluster's IP families, the default first: those of the configured ranges (a
+    /// ServiceCIDR object of another family does not make a cluster dual-stack, as in
+    /// Kubernetes, where the kube-apiserver's own ranges decide).
+    fn families(&self) -> Vec<Family> {
+        families_of(&self.ranges())
+    }
 
     /// Reserve a requested address (static allocation).
     async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError>;

@@ -2,6 +2,8 @@
 
 use std::net::IpAddr;
 
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+
 use crate::alloc::AllocError;
 use crate::cidr::{Family, ServiceCidr};
 
@@ -46,5 +48,68 @@ impl RangeSet {
         } else {
             Ok(idx)
         }
+    }
+}
+
+/// The families of `ranges`, in the order they first appear (the first is the default).
+pub fn families_of(ranges: &[ServiceCidr]) -> Vec<Family> {
+    let mut fams = Vec::new();
+    for c in ranges {
+        if !fams.contains(&c.family()) {
+            fams.push(c.family());
+        }
+    }
+    fams
+}
+
+/// The cidrs of a ServiceCIDR object, each with whether it gives new addresses (Ready and not
+/// being deleted; see [`crate::k8s::servicecidr::allocatable`]).
+pub fn servicecidr_ranges(obj: &ServiceCIDR) -> Vec<(ServiceCidr, bool)> {
+    let allocatable = crate::k8s::servicecidr::allocatable(obj);
+    crate::k8s::servicecidr::ranges(obj).into_iter().map(|c| (c, allocatable)).collect()
+}
+
+/// The ranges a store allocates from, in the order it tries them, each with whether it
+/// gives new addresses: the `--service-cidr` ranges first (always), then those of the
+/// ServiceCIDR objects (`servicecidrs`, in the order given), each CIDR once — allocatable if
+/// it is a `--service-cidr` range or any object naming it is.
+pub fn wanted_ranges<'a>(flag_ranges: &[ServiceCidr], servicecidrs: impl IntoIterator<Item = &'a [(ServiceCidr, bool)]>) -> Vec<(ServiceCidr, bool)> {
+    let mut wanted: Vec<(ServiceCidr, bool)> = Vec::new();
+    for c in flag_ranges {
+        if !wanted.iter().any(|(w, _)| w == c) {
+            wanted.push((c.clone(), true));
+        }
+    }
+    for list in servicecidrs {
+        for (cidr, ok) in list {
+            match wanted.iter_mut().find(|(c, _)| c == cidr) {
+                Some(entry) => entry.1 |= *ok,
+                None => wanted.push((cidr.clone(), *ok)),
+            }
+        }
+    }
+    wanted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cidr(s: &str) -> ServiceCidr {
+        ServiceCidr::parse(s).expect("cidr")
+    }
+
+    #[test]
+    fn flags_first_then_servicecidrs_each_cidr_once() {
+        let flags = [cidr("198.19.0.0/24")];
+        let a = vec![(cidr("198.19.0.0/24"), false), (cidr("fd00:10:96::/112"), true)];
+        let b = vec![(cidr("198.18.200.0/24"), false)];
+        let c = vec![(cidr("198.18.200.0/24"), true), (cidr("198.18.201.0/24"), false)];
+        let wanted = wanted_ranges(&flags, [a.as_slice(), b.as_slice(), c.as_slice()]);
+        assert_eq!(
+            wanted,
+            [(cidr("198.19.0.0/24"), true), (cidr("fd00:10:96::/112"), true), (cidr("198.18.200.0/24"), true), (cidr("198.18.201.0/24"), false)],
+            "a flag range stays allocatable whatever its object says; a CIDR two objects name is allocatable if either is"
+        );
     }
 }

@@ -90,16 +90,6 @@ pub struct SweepResult {
     pub waiting: usize,
 }
 
-fn families_of(store: &dyn AllocationStore) -> Vec<Family> {
-    let mut fams = Vec::new();
-    for c in store.ranges() {
-        if !fams.contains(&c.family()) {
-            fams.push(c.family());
-        }
-    }
-    fams
-}
-
 /// A denial with a Kubernetes Status: code, reason, and field causes.
 fn deny(req: &AdmissionRequest<Service>, code: u16, reason: &str, message: String, causes: Vec<StatusCause>) -> AdmissionResponse {
     let mut resp = AdmissionResponse::from(req);
@@ -417,7 +407,7 @@ impl Admission {
             return Err(Box::new(deny(req, 400, "BadRequest", "the admission request carries no Service object".into(), Vec::new())));
         };
         let spec = svc.spec.clone().unwrap_or_default();
-        let plan = match clusterips::plan(&spec, &families_of(self.store.as_ref())) {
+        let plan = match clusterips::plan(&spec, &self.store.families()) {
             Ok(Decision::NoAddress) => return Ok(None),
             Ok(Decision::Allocate(plan)) => plan,
             // On UPDATE the apiserver validates the whole spec itself; we only speak for

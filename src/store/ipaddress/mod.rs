@@ -10,7 +10,9 @@
 //! - [`blocks::BlockStore`]: **the controller's** store (`clusterip controller`). The
 //!   webhook answers Service addresses from memory, inside address blocks the replica holds
 //!   exclusively through Leases; it writes no IPAddress object (the kube-apiserver records
-//!   the Service's addresses when it stores the Service). Ranges: `--service-cidr` only.
+//!   the Service's addresses when it stores the Service). Ranges: `--service-cidr` and,
+//!   with `--use-servicecidrs`, the cluster's ServiceCIDR objects, followed while it runs
+//!   ([`blocks::BlockStore::follow_servicecidrs`]).
 //! - [`objects::IpAddressStore`]: **the one-shot commands'** store (`clusterip allocate`,
 //!   `release`; the store the conformance tests run): every allocation creates its
 //!   IPAddress object (the create is the lock), for any parent. Ranges: `--service-cidr`

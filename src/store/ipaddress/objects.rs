@@ -118,15 +118,7 @@ impl State {
 
     /// Recompute the range list from flags + ServiceCIDRs, keeping existing maps.
     fn rebuild_ranges(&mut self, flag_ranges: &[ServiceCidr]) {
-        let mut wanted: Vec<(ServiceCidr, bool)> = flag_ranges.iter().map(|c| (c.clone(), true)).collect();
-        for list in self.from_servicecidrs.values() {
-            for (cidr, ok) in list {
-                match wanted.iter_mut().find(|(c, _)| c == cidr) {
-                    Some(entry) => entry.1 |= *ok,
-                    None => wanted.push((cidr.clone(), *ok)),
-                }
-            }
-        }
+        let wanted = crate::store::wanted_ranges(flag_ranges, self.from_servicecidrs.values().map(Vec::as_slice));
         let mut old: Vec<RangeState> = std::mem::take(&mut self.ranges);
         for (cidr, allocatable) in wanted {
             if let Some(pos) = old.iter().position(|r| r.cidr == cidr) {
@@ -431,14 +423,8 @@ async fn watch_ipaddresses(api: Api<IPAddress>, state: Arc<Mutex<State>>, manage
     .await
 }
 
-/// The cidrs of a ServiceCIDR and whether it gives new addresses.
-fn servicecidr_ranges(obj: &ServiceCIDR) -> Vec<(ServiceCidr, bool)> {
-    let allocatable = k8s::servicecidr::allocatable(obj);
-    k8s::servicecidr::ranges(obj).into_iter().map(|c| (c, allocatable)).collect()
-}
-
 async fn watch_servicecidrs(api: Api<ServiceCIDR>, state: Arc<Mutex<State>>, flag_ranges: Vec<ServiceCidr>, changed: watch::Sender<()>) {
-    let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(obj));
+    let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), crate::store::servicecidr_ranges(obj));
     fold(api, "ServiceCIDR", read, |change| {
         let mut st = lock(&state);
         match change {

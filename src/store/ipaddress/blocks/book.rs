@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 
-use super::layout::{block_of, blocks_overlapping, foreign_span, free_block, lease_span, layout, overlap, span, wanted_by, BlockSpan};
-use crate::cidr::ServiceCidr;
+use super::layout::{block_of, blocks_overlapping, foreign_span, free_block, lease_span, layout, overlap, span, translate, wanted_by, BlockSpan};
+use crate::cidr::{Family, ServiceCidr};
 use crate::clock::Moment;
 use crate::k8s::lease::{holder, Observation, Renewal};
 use crate::store::ParentRef;
@@ -125,8 +125,14 @@ pub struct Looked {
 #[derive(Debug)]
 pub struct Book {
     holder: String,
+    /// Every range this replica has known, in the order it learnt of them: indexes stay
+    /// valid for the life of the book (a range gone from the configuration is kept, not
+    /// allocatable, until its blocks are given back).
     cidrs: Vec<ServiceCidr>,
     sizes: Vec<u64>,
+    /// The ranges new addresses come from, in the order they are tried: `--service-cidr`
+    /// first, then the ServiceCIDR objects' (see [`Book::set_ranges`]).
+    order: Vec<usize>,
     lease_duration: Duration,
     margin: Duration,
     held: Vec<Held>,
@@ -145,7 +151,60 @@ impl Book {
     /// The book of replica `holder` (its holderIdentity) over `cidrs`, with blocks of
     /// `sizes[i]` addresses in range i.
     pub fn new(holder: String, cidrs: Vec<ServiceCidr>, sizes: Vec<u64>, lease_duration: Duration, margin: Duration) -> Book {
-        Book { holder, cidrs, sizes, lease_duration, margin, held: Vec::new(), pending: HashMap::new(), observed: HashMap::new(), answered: HashSet::new(), unanswered: HashMap::new(), claiming: HashSet::new() }
+        let order = (0..cidrs.len()).collect();
+        Book { holder, cidrs, sizes, order, lease_duration, margin, held: Vec::new(), pending: HashMap::new(), observed: HashMap::new(), answered: HashSet::new(), unanswered: HashMap::new(), claiming: HashSet::new() }
+    }
+
+    /// The ranges new addresses come from now, in the order to try them, each with whether
+    /// it gives new addresses: a range not known yet is added (blocks of `size(cidr)`
+    /// addresses); a known one missing from `wanted`, or not allocatable, no longer gives
+    /// addresses — its blocks go back once nothing picked from them is in flight
+    /// ([`Self::choose_idle`]). Returns the indexes of the ranges added.
+    pub fn set_ranges(&mut self, wanted: &[(ServiceCidr, bool)], size: impl Fn(&ServiceCidr) -> u64) -> Vec<usize> {
+        let mut added = Vec::new();
+        let mut order = Vec::new();
+        for (cidr, allocatable) in wanted {
+            let range = match self.cidrs.iter().position(|c| c == cidr) {
+                Some(i) => i,
+                None => {
+                    self.cidrs.push(cidr.clone());
+                    self.sizes.push(size(cidr));
+                    added.push(self.cidrs.len() - 1);
+                    self.cidrs.len() - 1
+                }
+            };
+            if *allocatable && !order.contains(&range) {
+                order.push(range);
+            }
+        }
+        self.order = order;
+        added
+    }
+
+    /// Every range known, by index (allocatable or not).
+    pub fn cidrs(&self) -> &[ServiceCidr] {
+        &self.cidrs
+    }
+
+    /// Whether range `range` gives new addresses.
+    pub fn allocatable(&self, range: usize) -> bool {
+        self.order.contains(&range)
+    }
+
+    /// The allocatable ranges, in the order they are tried.
+    pub fn allocatable_cidrs(&self) -> Vec<ServiceCidr> {
+        self.order.iter().map(|&i| self.cidrs[i].clone()).collect()
+    }
+
+    /// The allocatable ranges of `family`, in the order they are tried.
+    pub fn ranges_of(&self, family: Family) -> Vec<usize> {
+        self.order.iter().copied().filter(|&i| self.cidrs[i].family() == family).collect()
+    }
+
+    /// The first allocatable range (in the order they are tried) whose usable addresses
+    /// contain `ip`.
+    pub fn range_of(&self, ip: IpAddr) -> Option<usize> {
+        self.order.iter().copied().find(|&i| self.cidrs[i].contains(ip))
     }
 
     pub fn holder(&self) -> &str {
@@ -195,6 +254,9 @@ impl Book {
     /// whether the replica runs low: less than [`LEAD_BLOCKS`] whole blocks' worth left in
     /// its usable blocks of the range, so the next block is taken while these still answer.
     pub fn pick(&mut self, range: usize, parent: Option<&ParentRef>, recorded: &HashSet<IpAddr>, now: Moment) -> (Option<IpAddr>, bool) {
+        if !self.allocatable(range) {
+            return (None, false);
+        }
         let cidr = &self.cidrs[range];
         let mut chosen = None;
         for (i, h) in self.held.iter().enumerate() {
@@ -245,13 +307,29 @@ impl Book {
         let size = self.sizes[range];
         let (dynamic, total) = layout(cidr, size);
         let mut busy: HashSet<u64> = self.held.iter().filter(|h| h.range == range).map(|h| h.span.index).collect();
-        // Other replicas' blocks by the addresses their Leases name, whatever their size.
-        for o in self.observed.values().filter(|o| o.range == range) {
-            busy.extend(blocks_overlapping(cidr, size, &o.span));
+        // Our blocks of overlapping ranges (ServiceCIDR objects may overlap), by address.
+        for h in self.held.iter().filter(|h| h.range != range) {
+            if let Some(s) = translate(&self.cidrs[h.range], &h.span, cidr) {
+                busy.extend(blocks_overlapping(cidr, size, &s));
+            }
         }
-        let expired = self.observed.iter().filter(|(_, o)| o.range == range && o.seen.expired(now, self.lease_duration)).min_by_key(|(_, o)| o.span.first);
-        if let Some((name, o)) = expired {
-            return Next::TakeOver { name: name.clone(), lease: Box::new(o.lease.clone()), span: o.span };
+        // Other replicas' blocks by the addresses their Leases name, whatever their size
+        // and whichever of our ranges they were cut from.
+        let mut expired: Option<(&String, BlockSpan)> = None;
+        for (name, o) in &self.observed {
+            let Some(s) = translate(&self.cidrs[o.range], &o.span, cidr) else { continue };
+            busy.extend(blocks_overlapping(cidr, size, &s));
+            if o.seen.expired(now, self.lease_duration) && expired.is_none_or(|(_, e)| s.first < e.first) {
+                expired = Some((name, s));
+            }
+        }
+        if let Some((name, s)) = expired {
+            // A block of another of our ranges is never taken over as one of this range's
+            // (`own_span` is None for it): its Lease is deleted, and the addresses it named
+            // become free blocks.
+            let o = &self.observed[name];
+            let span = if o.range == range { o.span } else { s };
+            return Next::TakeOver { name: name.clone(), lease: Box::new(o.lease.clone()), span };
         }
         if need == Need::Ahead && total.saturating_sub(busy.len() as u64) < 2 {
             return Next::NoneFree;
@@ -265,7 +343,7 @@ impl Book {
     /// The block `name` of ours at our size, if the Lease `lease` of another replica names
     /// exactly its addresses (else it was written at another block size).
     pub fn own_span(&self, range: usize, name: &str, seen: &BlockSpan) -> Option<BlockSpan> {
-        let mine = block_of(&self.cidrs, name).and_then(|(_, index)| span(&self.cidrs[range], self.sizes[range], index));
+        let mine = block_of(&self.cidrs, name).filter(|(r, _)| *r == range).and_then(|(_, index)| span(&self.cidrs[range], self.sizes[range], index));
         mine.filter(|s| s.first == seen.first && s.end == seen.end)
     }
 
@@ -341,7 +419,8 @@ impl Book {
 
     /// Another replica's block Lease whose addresses overlap `span` of `range`.
     pub fn overlapping(&self, range: usize, span: &BlockSpan) -> Option<String> {
-        self.observed.iter().find(|(_, o)| o.range == range && overlap(&o.span, span)).map(|(n, _)| n.clone())
+        let cidr = &self.cidrs[range];
+        self.observed.iter().find(|(_, o)| translate(&self.cidrs[o.range], &o.span, cidr).is_some_and(|s| overlap(&s, span))).map(|(n, _)| n.clone())
     }
 
     /// This replica starts creating or taking over the Lease `name` (true), or is done (false).
@@ -460,7 +539,15 @@ impl Book {
     /// another at once). At most one per range; no pick is made from them from now on.
     pub fn choose_idle(&mut self, recorded: &HashSet<IpAddr>, now: Moment) -> Vec<(String, Lease)> {
         let mut out = Vec::new();
-        for range in 0..self.cidrs.len() {
+        // A range that no longer gives addresses: every block of it with nothing in flight.
+        for h in self.held.iter_mut().filter(|h| !self.order.contains(&h.range) && !h.returning) {
+            let cidr = &self.cidrs[h.range];
+            if !self.pending.keys().any(|ip| !recorded.contains(ip) && h.span.covers(cidr, *ip)) {
+                h.returning = true;
+                out.push((h.name.clone(), h.lease.clone()));
+            }
+        }
+        for range in self.order.clone() {
             let cidr = &self.cidrs[range];
             let idle = self.held.iter().position(|h| {
                 h.range == range

@@ -87,12 +87,28 @@ pub fn lease_span(cidr: &ServiceCidr, index: u64, lease: &Lease) -> Option<Block
 }
 
 /// The part of `cidr` a block Lease of another range names (a replica of a wider or narrower
-/// `--service-cidr`, in a rolling update of the range): its `clusterip.allocator/addresses`
-/// clipped to `cidr`'s usable addresses. None when they share none.
+/// `--service-cidr`, in a rolling update of the range; or a ServiceCIDR object's range that
+/// overlaps ours): its `clusterip.allocator/addresses` clipped to `cidr`'s usable addresses.
+/// None when they share none.
 pub fn foreign_span(cidr: &ServiceCidr, lease: &Lease) -> Option<BlockSpan> {
     let text = lease.metadata.annotations.as_ref()?.get(ADDRESSES_ANNOTATION)?;
     let (a, b) = text.split_once('-')?;
-    let (a, b) = (crate::cidr::parse_ip(a.trim()).ok()?, crate::cidr::parse_ip(b.trim()).ok()?);
+    clip(cidr, crate::cidr::parse_ip(a.trim()).ok()?, crate::cidr::parse_ip(b.trim()).ok()?)
+}
+
+/// `span` of range `from` as a span of range `to` (the addresses both name, by `to`'s
+/// offsets; index 0). None when they share none: ranges of one replica may overlap when
+/// ServiceCIDR objects name overlapping CIDRs.
+pub fn translate(from: &ServiceCidr, span: &BlockSpan, to: &ServiceCidr) -> Option<BlockSpan> {
+    if from == to {
+        return Some(*span);
+    }
+    clip(to, from.ip_at(span.first)?, from.ip_at(span.end.checked_sub(1)?)?)
+}
+
+/// The addresses from `a` to `b` (inclusive) that are usable addresses of `cidr`, as a span
+/// of its offsets (index 0). None when there are none or the families differ.
+fn clip(cidr: &ServiceCidr, a: IpAddr, b: IpAddr) -> Option<BlockSpan> {
     let (lo, hi) = (cidr.ip_at(0)?, cidr.ip_at(cidr.size().checked_sub(1)?)?);
     let key = |ip: IpAddr| match ip {
         IpAddr::V4(v) => (4u8, u128::from(u32::from(v))),

@@ -67,6 +67,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::Api;
 use kube::Client;
@@ -81,6 +82,8 @@ use crate::k8s::lease::holder as holder_of;
 use super::apiserver_ips::ApiserverIps;
 use crate::store::fold::Change;
 use crate::store::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
+
+type Acquiring = Arc<tokio::sync::Mutex<()>>;
 use crate::sync::lock;
 
 pub mod book;
@@ -163,11 +166,15 @@ impl BlockOptions {
 pub struct BlockStore {
     api: Arc<dyn BlockApi>,
     clock: Arc<dyn Clock>,
-    ranges: RangeSet,
+    /// The `--service-cidr` ranges: always allocatable, tried first.
+    flag_ranges: Vec<ServiceCidr>,
+    /// Addresses per block; None: [`auto_block_size`] of each range.
+    size: Option<u64>,
     recorded: ApiserverIps,
+    /// The book; it also holds the ranges (every one known, by index).
     book: Mutex<Book>,
-    /// One acquisition at a time per range.
-    acquiring: Vec<tokio::sync::Mutex<()>>,
+    /// One acquisition at a time per range (by the book's range index).
+    acquiring: Mutex<Vec<Acquiring>>,
     /// One hand-over at a time.
     handing: tokio::sync::Mutex<()>,
     me: Weak<BlockStore>,
@@ -230,13 +237,14 @@ impl BlockStore {
         }
         let nonce: u32 = rand::thread_rng().gen();
         let holder = format!("{identity}/{nonce:08x}");
-        let acquiring = ranges.iter().map(|_| tokio::sync::Mutex::new(())).collect();
+        let acquiring = Mutex::new(ranges.iter().map(|_| Acquiring::default()).collect());
         let book = Book::new(holder, ranges.clone(), sizes, options.lease_duration, options.margin);
         let api: Arc<dyn BlockApi> = Arc::new(Bounded::new(api, options.call_timeout()));
         let me = Arc::new_cyclic(|weak| BlockStore {
             api,
             clock,
-            ranges: RangeSet::new(ranges),
+            flag_ranges: ranges,
+            size: options.size,
             recorded,
             book: Mutex::new(book),
             acquiring,
@@ -259,15 +267,17 @@ impl BlockStore {
     /// waited for it (`scripts/bench-webhook.sh`: mutate p99 122 and 617 ms in two of
     /// four runs).
     async fn take_lead(&self) {
-        for range in 0..self.ranges.cidrs().len() {
-            let _one = self.acquiring[range].lock().await;
+        let ranges = lock(&self.book).allocatable_cidrs().len();
+        for range in 0..ranges {
+            let one = self.acquiring(range);
+            let _one = one.lock().await;
             for k in 0..LEAD_BLOCKS {
                 let need = if k == 0 { Need::Now } else { Need::Ahead };
                 match self.acquire_locked(range, need).await {
                     Ok(true) => {}
                     Ok(false) => break,
                     Err(e) => {
-                        warn!(range = %self.ranges.cidrs()[range], error = %e, "could not take an address block yet; trying again on the first admission");
+                        warn!(range = %self.cidr(range), error = %e, "could not take an address block yet; trying again on the first admission");
                         break;
                     }
                 }
@@ -317,7 +327,7 @@ impl BlockStore {
             // Someone else was quicker: look again.
             self.observe().await?;
         }
-        let cidr = &self.ranges.cidrs()[range];
+        let cidr = self.cidr(range);
         Err(StoreError::Unavailable(format!("could not take an address block of {cidr}: others took each one tried first").into()))
     }
 
@@ -371,14 +381,14 @@ impl BlockStore {
     fn block_lease(&self, range: usize, span: BlockSpan) -> Lease {
         let holder = self.holder();
         let d = lock(&self.book).lease_duration();
-        block_lease(&self.ranges.cidrs()[range], span, &holder, d, now_micro())
+        block_lease(&self.cidr(range), span, &holder, d, now_micro())
     }
 
     /// Create the Lease of a free block. Ok(false): someone else created it first.
     async fn create(&self, range: usize, index: u64) -> Result<bool, StoreError> {
-        let cidr = &self.ranges.cidrs()[range];
-        let Some(span) = span(cidr, lock(&self.book).size(range), index) else { return Ok(false) };
-        let name = block_name(cidr, index);
+        let cidr = self.cidr(range);
+        let Some(span) = span(&cidr, lock(&self.book).size(range), index) else { return Ok(false) };
+        let name = block_name(&cidr, index);
         let sent = self.now();
         lock(&self.book).claiming(&name, true);
         let r = self.create_claimed(range, span, &name, sent).await;
@@ -473,7 +483,7 @@ impl BlockStore {
     /// it, so that whatever the previous holder answered and the apiserver stored is seen
     /// whatever our watch shows.
     async fn adopt(&self, range: usize, span: BlockSpan, lease: Lease, sent: Moment) -> Result<(), StoreError> {
-        let cidr = &self.ranges.cidrs()[range];
+        let cidr = &self.cidr(range);
         let name = block_name(cidr, span.index);
         let listed = match self.api.list_addresses().await {
             Ok(l) => l,
@@ -693,7 +703,81 @@ impl BlockStore {
     }
 
     fn in_our_ranges(&self, ip: IpAddr) -> bool {
-        self.ranges.cidrs().iter().any(|c| c.contains(ip))
+        lock(&self.book).allocatable_cidrs().iter().any(|c| c.contains(ip))
+    }
+
+    /// Range `range` (the book's index).
+    fn cidr(&self, range: usize) -> ServiceCidr {
+        lock(&self.book).cidr(range).clone()
+    }
+
+    /// The lock of acquisitions of range `range`.
+    fn acquiring(&self, range: usize) -> Acquiring {
+        let mut all = lock(&self.acquiring);
+        while all.len() <= range {
+            all.push(Acquiring::default());
+        }
+        all[range].clone()
+    }
+
+    /// The ranges to allocate from: `--service-cidr` first, then `servicecidrs` (the
+    /// ranges of the cluster's ServiceCIDR objects by object name, each with whether it
+    /// gives new addresses: Ready and not being deleted). A range of both kinds always gives
+    /// addresses. Ranges new to this replica get blocks of their own on first need; a range
+    /// that no longer gives addresses keeps answering for the addresses it has (a static
+    /// request names one, a release) only while it is still listed, and its blocks go back.
+    pub fn set_servicecidrs<'a>(&self, servicecidrs: impl IntoIterator<Item = &'a [(ServiceCidr, bool)]>) {
+        let wanted = crate::store::wanted_ranges(&self.flag_ranges, servicecidrs);
+        let size = self.size;
+        let (added, now) = {
+            let mut book = lock(&self.book);
+            let before = book.allocatable_cidrs();
+            let added = book.set_ranges(&wanted, |c| size.unwrap_or_else(|| auto_block_size(c)));
+            let now = book.allocatable_cidrs();
+            for gone in before.iter().filter(|c| !now.contains(c)) {
+                info!(range = %gone, "a service range no longer gives addresses (its ServiceCIDR is gone, not Ready or being deleted); its address blocks go back");
+            }
+            for back in now.iter().filter(|c| !before.contains(c)) {
+                info!(range = %back, "a service range gives addresses (a Ready ServiceCIDR names it)");
+            }
+            (added, now)
+        };
+        for range in added {
+            let _ = self.acquiring(range);
+        }
+        debug!(ranges = ?now.iter().map(|c| c.to_string()).collect::<Vec<_>>(), "service ranges");
+    }
+
+    /// Follow the cluster's ServiceCIDR objects (see [`Self::set_servicecidrs`]); returns once
+    /// the first list is in, or with an error after `within`.
+    pub async fn follow_servicecidrs(self: &Arc<Self>, api: Api<ServiceCIDR>, within: Duration) -> Result<(), StoreError> {
+        let (synced_tx, mut synced) = tokio::sync::watch::channel(false);
+        let weak = Arc::downgrade(self);
+        lock(&self.tasks).spawn(async move {
+            let mut objects: std::collections::BTreeMap<String, Vec<(ServiceCidr, bool)>> = Default::default();
+            let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), crate::store::servicecidr_ranges(obj));
+            crate::store::fold::fold(api, "ServiceCIDR", read, move |change| {
+                match change {
+                    Change::Replace(list) => objects = list.into_iter().collect(),
+                    Change::Apply((name, ranges)) => {
+                        objects.insert(name, ranges);
+                    }
+                    Change::Delete((name, _)) => {
+                        objects.remove(&name);
+                    }
+                }
+                let Some(me) = weak.upgrade() else { return };
+                me.set_servicecidrs(objects.values().map(Vec::as_slice));
+                synced_tx.send_replace(true);
+            })
+            .await
+        });
+        let listed = tokio::time::timeout(within, synced.wait_for(|s| *s)).await.is_ok_and(|r| r.is_ok());
+        if listed {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable(format!("the ServiceCIDR objects could not be listed within {within:?}").into()))
+        }
     }
 }
 
@@ -729,15 +813,21 @@ impl AllocationStore for BlockStore {
     }
 
     fn ranges(&self) -> Vec<ServiceCidr> {
-        self.ranges.cidrs().to_vec()
+        lock(&self.book).allocatable_cidrs()
+    }
+
+    fn families(&self) -> Vec<Family> {
+        crate::store::families_of(&self.flag_ranges)
     }
 
     /// A requested address: refused when the view shows it recorded or this replica has it
     /// pending (the admission then reads the apiserver's record to decide); otherwise held
     /// pending here, so this replica never picks it dynamically, until the view shows it.
     async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
-        self.ranges.index_of(ip)?;
         let mut book = lock(&self.book);
+        if book.range_of(ip).is_none() {
+            RangeSet::new(book.allocatable_cidrs()).index_of(ip)?;
+        }
         let recorded = self.recorded.view();
         if !book.hold_requested(ip, parent, &recorded) {
             return Err(StoreError::Alloc(AllocError::Allocated));
@@ -746,7 +836,10 @@ impl AllocationStore for BlockStore {
     }
 
     async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {
-        let ranges = self.ranges.of_family(family)?;
+        let ranges = lock(&self.book).ranges_of(family);
+        if ranges.is_empty() {
+            return Err(StoreError::NoRangeForFamily(family));
+        }
         for range in ranges {
             loop {
                 let (ip, low) = self.pick(range, parent);
@@ -757,7 +850,8 @@ impl AllocationStore for BlockStore {
                     // IPAddress.
                     if let Some(me) = self.me.upgrade() {
                         self.runtime.spawn(async move {
-                            let Ok(_one) = me.acquiring[range].try_lock() else { return };
+                            let one = me.acquiring(range);
+                            let Ok(_one) = one.try_lock() else { return };
                             if let Err(e) = me.acquire_locked(range, Need::Ahead).await {
                                 warn!(error = %e, "could not take another address block ahead of need");
                             }
@@ -769,7 +863,8 @@ impl AllocationStore for BlockStore {
                 }
                 // Nothing free in our blocks: wait for a block (ours, or one another request
                 // is taking right now), then look again.
-                let _one = self.acquiring[range].lock().await;
+                let one = self.acquiring(range);
+                let _one = one.lock().await;
                 let (ip, _) = self.pick(range, parent);
                 if let Some(ip) = ip {
                     return Ok(ip);
@@ -828,9 +923,8 @@ impl AllocationStore for BlockStore {
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
         let all = self.allocated().await?;
-        Ok(self
-            .ranges
-            .cidrs()
+        Ok(lock(&self.book)
+            .allocatable_cidrs()
             .iter()
             .map(|c| {
                 let used = all.iter().filter(|ip| c.contains(**ip)).count() as u64;

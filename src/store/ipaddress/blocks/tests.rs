@@ -266,3 +266,104 @@ async fn a_holder_that_missed_its_renewals_stops_before_a_takeover_and_drops_the
     assert!(a.held_blocks().is_empty());
     assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("after"))).await));
 }
+
+/// Every address a replica can still pick from any of its ranges, until it reports full.
+async fn drain_all(r: &BlockStore, who: &str, most: usize) -> Vec<IpAddr> {
+    let mut got = Vec::new();
+    loop {
+        match r.allocate_next(Family::IPv4, Some(&parent(who))).await {
+            Ok(ip) => got.push(ip),
+            Err(StoreError::Alloc(AllocError::Full)) => return got,
+            Err(e) => panic!("picking: {e}"),
+        }
+        assert!(got.len() <= most, "more picks than addresses: {got:?}");
+    }
+}
+
+fn cidr(text: &str) -> ServiceCidr {
+    ServiceCidr::parse(text).expect("cidr")
+}
+
+/// ServiceCIDR objects followed: a Ready one's range gives addresses after the
+/// `--service-cidr` ones are full, and accepts requested addresses; one no longer Ready
+/// refuses both, and its blocks go back once no pick of them is in flight.
+#[tokio::test(start_paused = true)]
+async fn a_servicecidr_range_is_added_used_after_the_flag_range_and_retired() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let extra = cidr("198.19.1.0/28");
+    let requested: IpAddr = "198.19.1.5".parse().expect("ip");
+    assert!(matches!(a.allocate(requested, Some(&parent("s"))).await, Err(StoreError::Alloc(AllocError::NotInRange { .. }))));
+    a.set_servicecidrs([[(range(), true)].as_slice(), [(extra.clone(), true)].as_slice()]);
+    assert_eq!(a.ranges(), vec![range(), extra.clone()], "--service-cidr first, each CIDR once");
+    a.allocate(requested, Some(&parent("s"))).await.expect("a requested address of a Ready ServiceCIDR");
+    let picked = drain_all(&a, "a", 28).await;
+    let (first, second): (Vec<IpAddr>, Vec<IpAddr>) = picked.iter().partition(|ip| range().contains(**ip));
+    assert_eq!(first.len(), 14, "the flag range is used up first: {picked:?}");
+    assert!(picked[..14].iter().all(|ip| range().contains(*ip)), "picks left the flag range before it was full: {picked:?}");
+    assert_eq!(second.len(), 13, "the ServiceCIDR's range, but for the requested address: {picked:?}");
+    assert!(!picked.contains(&requested));
+    let theirs = block_name(&extra, 0);
+    assert!(a.held_blocks().contains(&theirs));
+    // Not Ready any more (being deleted): no new address from it, none requested in it.
+    a.set_servicecidrs([[(extra.clone(), false)].as_slice()]);
+    assert_eq!(a.ranges(), vec![range()]);
+    assert!(matches!(a.allocate("198.19.1.14".parse().expect("ip"), Some(&parent("t"))).await, Err(StoreError::Alloc(AllocError::NotInRange { .. }))));
+    // Its block goes back once none of its picks is in flight.
+    assert!(!a.tick().await.given_back.contains(&theirs), "given back with picks in flight");
+    for ip in second.iter().chain([&requested]) {
+        a.release_owned(*ip, &parent(if *ip == requested { "s" } else { "a" })).await.expect("release");
+    }
+    assert!(a.tick().await.given_back.contains(&theirs), "the block of a range that gives no addresses stayed held");
+    assert!(api.lease(&theirs).is_none());
+}
+
+/// Ranges that overlap (a ServiceCIDR wider than `--service-cidr`, the documented way to
+/// widen a cluster's range): blocks are exclusive by address, across ranges and replicas.
+#[tokio::test(start_paused = true)]
+async fn overlapping_ranges_never_give_one_address_twice() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let wide = cidr("198.19.0.128/26");
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let b = replica(&api, Arc::new(clock.clone()), "replica-b", 16, ApiserverIps::fixed([])).await;
+    for r in [&a, &b] {
+        r.set_servicecidrs([[(wide.clone(), true)].as_slice()]);
+    }
+    let from_b = drain_all(&b, "b", 62).await;
+    let from_a = drain_all(&a, "a", 62).await;
+    let mut all: Vec<IpAddr> = from_a.iter().chain(&from_b).copied().collect();
+    let n = all.len();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), n, "an address given twice: A {from_a:?}, B {from_b:?}");
+    assert!(all.iter().all(|ip| wide.contains(*ip)));
+    assert!(n >= 48, "the wide range's dynamic band (48 addresses) is not used up: {n}");
+    assert!(from_b.iter().all(|ip| !range().contains(*ip)), "B picked inside A's block of the narrow range: {from_b:?}");
+}
+
+/// A block of one of our ranges whose holder stopped, seen from an overlapping range: its
+/// Lease is deleted after the lease duration (never adopted as a block of the other range),
+/// and what its holder answered is not answered again.
+#[tokio::test(start_paused = true)]
+async fn a_stopped_holders_block_of_an_overlapping_range_is_deleted_not_adopted() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let wide = cidr("198.19.0.128/26");
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    let x = a.allocate_next(Family::IPv4, Some(&parent("a-0"))).await.expect("A answers");
+    api.record_address(x);
+    // B knows the narrow range (no longer allocatable) and allocates from the wide one.
+    let b = BlockStore::start(api.clone(), Arc::new(clock.clone()), vec![cidr("198.19.2.0/28")], ApiserverIps::fixed([]), "replica-b", options(16)).await.expect("start");
+    b.set_servicecidrs([[(range(), false), (wide.clone(), true)].as_slice()]);
+    assert_eq!(b.ranges(), vec![cidr("198.19.2.0/28"), wide.clone()]);
+    b.observe().await.expect("observe");
+    let early = drain_all(&b, "b-early", 62).await;
+    assert!(early.iter().all(|ip| !range().contains(*ip)), "B picked inside A's live block: {early:?}");
+    // A stops; after the lease duration B deletes A's Lease rather than adopting it.
+    clock.advance(D);
+    b.tick().await;
+    let late = drain_all(&b, "b-late", 62).await;
+    let narrow = block_name(&range(), 0);
+    assert!(api.lease(&narrow).is_none_or(|l| crate::k8s::lease::holder(&l) != Some(b.holder().as_str())), "B adopted A's block of another range");
+    assert!(late.iter().any(|ip| range().contains(*ip)), "the stopped holder's addresses never came back: {late:?}");
+    assert!(!late.contains(&x), "{x}, answered by A and recorded, answered again");
+}

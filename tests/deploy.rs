@@ -1,9 +1,10 @@
 //! The shipped manifests (`deploy/`): the real kube-apiserver accepts the whole kustomize
 //! tree in a server-side dry run (schema, defaulting, RBAC escalation checks, PodSecurity,
-//! admission), every object the tree should hold is in it, and the controller's RBAC is
-//! least privilege. Also: the cert-manager and monitoring components render, and
-//! `scripts/gen-webhook-certs.sh` makes a serving certificate that verifies for the webhook
-//! Service.
+//! admission), every object the tree should hold is in it, and the RBAC of both components
+//! is least privilege and is what docs/operations.md's RBAC tables say. Also: the
+//! cert-manager and monitoring components render, `scripts/gen-webhook-certs.sh` makes a
+//! serving certificate that verifies for the webhook Service, and every install order the
+//! repository writes down registers the webhooks only once a replica is ready.
 //!
 //! Namespace handling, honestly: a server dry run persists nothing, so the objects that live
 //! in `clusterip-system` are rejected ("namespaces clusterip-system not found") when the
@@ -733,4 +734,59 @@ fn documented_rbac_reads_each_role_and_refuses_a_role_without_a_table() {
     assert_eq!(roles.len(), 2, "the next section's role is not RBAC's: {roles:?}");
     assert!(documented_rbac("## RBAC\n\nClusterRole `a`:\n\nprose only\n").is_err());
     assert!(documented_rbac("## RBAC\n\nRole `no-namespace`:\n\n| g | r | v |\n|---|---|---|\n| `x` | `y` | get |\n").is_err());
+}
+
+/// One step of an install order, as the docs and headers write it.
+#[derive(Debug, PartialEq)]
+enum Step {
+    Certificates,
+    AllButWebhooks,
+    WaitForReplica,
+    Everything,
+}
+
+/// The install order in `text` after the line containing `marker`: from its first command
+/// line to the next blank line or code fence (`#` comment markers stripped), each command
+/// read as a [`Step`].
+fn install_order(text: &str, marker: &str) -> Vec<Step> {
+    let mut steps = Vec::new();
+    for line in text.lines().skip_while(|l| !l.contains(marker)).skip(1).map(|l| l.trim_start_matches('#').trim()) {
+        if !steps.is_empty() && (line.is_empty() || line.starts_with("```")) {
+            break;
+        }
+        let step = if line.starts_with("scripts/gen-webhook-certs.sh --apply") {
+            Step::Certificates
+        } else if line.starts_with("kubectl apply -k deploy/ -l 'app.kubernetes.io/component!=admission-registration'") {
+            Step::AllButWebhooks
+        } else if line.starts_with("kubectl -n clusterip-system rollout status deploy/clusterip-controller") {
+            Step::WaitForReplica
+        } else if line.starts_with("kubectl apply -k deploy/") {
+            Step::Everything
+        } else {
+            continue;
+        };
+        steps.push(step);
+    }
+    steps
+}
+
+/// Every install order the repository gives registers the `failurePolicy: Fail` webhooks
+/// only after a controller replica is ready: docs/operations.md's, the README's, and the
+/// headers of deploy/kustomization.yaml and scripts/gen-webhook-certs.sh, which once gave a
+/// shorter order (certificates, `kubectl apply -k deploy/`, certificates) that registered
+/// them at once.
+#[test]
+fn every_install_order_registers_the_webhooks_after_a_ready_replica() {
+    let root = repo_root();
+    let safe = [Step::Certificates, Step::AllButWebhooks, Step::WaitForReplica, Step::Everything, Step::Certificates];
+    for (file, marker) in [
+        ("docs/operations.md", "So register last"),
+        ("README.md", "## Install in your cluster"),
+        ("deploy/kustomization.yaml", "# Install order"),
+        ("scripts/gen-webhook-certs.sh", "# Install order"),
+    ] {
+        let text = std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(text.contains(marker), "{file}: {marker:?} not found");
+        assert_eq!(install_order(&text, marker), safe, "{file}: the install order after {marker:?}");
+    }
 }

@@ -10,9 +10,13 @@
 #                                                # the cluster and patch the caBundle of both
 #                                                # webhook configurations
 #
-# Install order with it (docs/operations.md):
+# Install order with it (docs/operations.md, "Deploy"): the webhook configurations
+# (failurePolicy: Fail) are registered last, once a controller replica is ready:
 #   scripts/gen-webhook-certs.sh --apply   # namespace (if missing) + Secret clusterip-webhook-tls
-#   kubectl apply -k deploy/
+#                                          # + ConfigMap clusterip-webhook-client-ca
+#   kubectl apply -k deploy/ -l 'app.kubernetes.io/component!=admission-registration'
+#   kubectl -n clusterip-system rollout status deploy/clusterip-controller
+#   kubectl apply -k deploy/               # the webhook configurations
 #   scripts/gen-webhook-certs.sh --apply   # again: the webhook configurations now exist → caBundle
 #
 # Files live in --dir (default ${XDG_STATE_HOME:-~/.local/state}/clusterip/webhook-certs/<namespace>):
@@ -244,7 +248,7 @@ EOF
 patch_ca_bundle() {
   local kind=$1 names n i ops=""
   if ! names=$("${kubectl[@]}" get "$kind" "$webhook" -o jsonpath='{range .webhooks[*]}{.name}{"\n"}{end}' 2>/dev/null); then
-    log "$kind/$webhook does not exist yet: run 'kubectl apply -k deploy/', then this script with --apply again"
+    log "$kind/$webhook is not registered yet (expected on the first run)"
     return 1
   fi
   n=$(printf '%s\n' "$names" | grep -c .)
@@ -278,6 +282,10 @@ missing=0
 patch_ca_bundle mutatingwebhookconfiguration || missing=1
 patch_ca_bundle validatingwebhookconfiguration || missing=1
 if [ "$missing" = 1 ]; then
-  log "caBundle not (fully) set yet: Service creates outside kube-system/$namespace fail until it is"
+  log "caBundle not (fully) set yet. Register the webhooks once a replica is ready (one registered before"
+  log "that, or without its caBundle, fails Service creates outside kube-system/$namespace):"
+  log "  kubectl apply -k deploy/ -l 'app.kubernetes.io/component!=admission-registration'"
+  log "  kubectl -n $namespace rollout status deploy/clusterip-controller"
+  log "  kubectl apply -k deploy/   # then this script with --apply again"
 fi
 exit 0

@@ -325,11 +325,14 @@ check_rbac() {
   expect no $c "$ns" create pods
   expect no $c "$ns" '*' '*'
   expect no $c "$ns" get configmaps
-  # The agent: reads Services, EndpointSlices, Nodes; writes Events only.
-  for v in get list watch; do
+  # The agent: watches Services, EndpointSlices, Nodes; writes events.k8s.io Events only.
+  for v in list watch; do
     expect yes $a "$ns" $v services; expect yes $a "$ns" $v endpointslices.discovery.k8s.io; expect yes $a default $v nodes
   done
-  expect yes $a "$ns" create events
+  for v in create patch; do expect yes $a "$ns" $v events.events.k8s.io; done
+  expect no $a "$ns" update events.events.k8s.io
+  expect no $a "$ns" create events
+  expect no $a default get nodes
   for v in create update patch delete; do expect no $a "$ns" $v services; expect no $a "$ns" $v endpointslices.discovery.k8s.io; done
   expect no $a default patch nodes
   for v in get list watch; do expect no $a kube-system $v secrets; done

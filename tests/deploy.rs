@@ -1,9 +1,10 @@
 //! The shipped manifests (`deploy/`): the real kube-apiserver accepts the whole kustomize
 //! tree in a server-side dry run (schema, defaulting, RBAC escalation checks, PodSecurity,
-//! admission), every object the tree should hold is in it, and the controller's RBAC is
-//! least privilege. Also: the cert-manager and monitoring components render, and
-//! `scripts/gen-webhook-certs.sh` makes a serving certificate that verifies for the webhook
-//! Service.
+//! admission), every object the tree should hold is in it, and the RBAC of both components
+//! is least privilege and is what docs/operations.md's RBAC tables say. Also: the
+//! cert-manager and monitoring components render, `scripts/gen-webhook-certs.sh` makes a
+//! serving certificate that verifies for the webhook Service, and every install order the
+//! repository writes down registers the webhooks only once a replica is ready.
 //!
 //! Namespace handling, honestly: a server dry run persists nothing, so the objects that live
 //! in `clusterip-system` are rejected ("namespaces clusterip-system not found") when the
@@ -154,9 +155,12 @@ fn assert_no_wildcards(role: &Value) {
     }
 }
 
-/// (apiGroup, resource) → verbs, merged over rules.
-fn grants(role: &Value) -> BTreeMap<(String, String), BTreeSet<String>> {
-    let mut map: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+/// (apiGroup, resource) → verbs.
+type Grants = BTreeMap<(String, String), BTreeSet<String>>;
+
+/// A role's grants, merged over its rules.
+fn grants(role: &Value) -> Grants {
+    let mut map = Grants::new();
     for rule in role["rules"].as_array().expect("rules") {
         for group in strings(&rule["apiGroups"]) {
             for resource in strings(&rule["resources"]) {
@@ -167,7 +171,7 @@ fn grants(role: &Value) -> BTreeMap<(String, String), BTreeSet<String>> {
     map
 }
 
-fn expect_grants(entries: &[(&str, &str, &[&str])]) -> BTreeMap<(String, String), BTreeSet<String>> {
+fn expect_grants(entries: &[(&str, &str, &[&str])]) -> Grants {
     entries
         .iter()
         .map(|(g, r, verbs)| ((g.to_string(), r.to_string()), verbs.iter().map(|v| v.to_string()).collect()))
@@ -257,6 +261,23 @@ fn deploy_tree_passes_a_server_side_dry_run() {
         assert_eq!(subjects.len(), 1, "{binding}");
         assert_eq!((subjects[0]["kind"].as_str(), subjects[0]["namespace"].as_str(), subjects[0]["name"].as_str()), (Some("ServiceAccount"), Some(NS), Some("clusterip-controller")));
     }
+    // The agent watches (never a single get) and writes events.k8s.io Events: no core
+    // Events, no update.
+    assert_eq!(
+        grants(find(&items, "ClusterRole", "", "clusterip-agent")),
+        expect_grants(&[
+            ("", "services", &["list", "watch"]),
+            ("", "nodes", &["list", "watch"]),
+            ("discovery.k8s.io", "endpointslices", &["list", "watch"]),
+            ("events.k8s.io", "events", &["create", "patch"]),
+        ]),
+        "agent ClusterRole"
+    );
+    let agent_binding = find(&items, "ClusterRoleBinding", "", "clusterip-agent");
+    assert_eq!(agent_binding["roleRef"]["name"], "clusterip-agent", "{agent_binding}");
+    let subjects = agent_binding["subjects"].as_array().expect("subjects");
+    assert_eq!(subjects.len(), 1, "{agent_binding}");
+    assert_eq!((subjects[0]["kind"].as_str(), subjects[0]["namespace"].as_str(), subjects[0]["name"].as_str()), (Some("ServiceAccount"), Some("kube-system"), Some("clusterip-agent")));
 
     // The Deployment.
     let deploy = find(&items, "Deployment", NS, "clusterip-controller");
@@ -613,4 +634,159 @@ fn gen_webhook_certs_makes_a_serving_cert_for_the_service() {
     openssl(&["verify", "-CAfile", "ca.crt", "tls.crt"]);
     let pem = String::from_utf8(std::fs::read(dir.join("ca-bundle.crt")).expect("ca-bundle.crt")).expect("PEM");
     assert_eq!(pem.matches("BEGIN CERTIFICATE").count(), 2, "{pem}");
+}
+
+/// A role as docs/operations.md names it: (kind, namespace, name).
+type RoleKey = (String, String, String);
+
+/// The RBAC tables of docs/operations.md (section "## RBAC"): each line `ClusterRole
+/// `name`` or `Role `namespace/name`` followed by a table whose first three columns are
+/// API group (`""` for core), resources (comma-separated) and verbs (comma-separated).
+fn documented_rbac(markdown: &str) -> Result<BTreeMap<RoleKey, Grants>, String> {
+    let markdown = format!("\n{markdown}");
+    let section = markdown.split("\n## ").find(|s| s.starts_with("RBAC\n")).ok_or("no section \"## RBAC\"")?;
+    let code = |cell: &str| -> Result<String, String> {
+        let inner = cell.strip_prefix('`').and_then(|c| c.strip_suffix('`')).ok_or_else(|| format!("{cell:?}: want one `code` span"))?;
+        Ok(if inner == "\"\"" { String::new() } else { inner.to_string() })
+    };
+    let mut roles = BTreeMap::new();
+    let mut current: Option<(RoleKey, Grants)> = None;
+    let mut rows = 0;
+    for (n, line) in section.lines().enumerate() {
+        let n = n + 1; // counted from the "## RBAC" line
+        let heading = line.strip_prefix("ClusterRole `").map(|r| ("ClusterRole", r)).or_else(|| line.strip_prefix("Role `").map(|r| ("Role", r)));
+        if let Some((kind, rest)) = heading {
+            let name = rest.split('`').next().unwrap_or_default();
+            let (namespace, name) = match kind {
+                "Role" => name.split_once('/').ok_or_else(|| format!("RBAC section, line {n}: Role {name:?} without its namespace/"))?,
+                _ => ("", name),
+            };
+            if let Some((key, grants)) = current.take() {
+                roles.insert(key, grants);
+            }
+            current = Some(((kind.to_string(), namespace.to_string(), name.to_string()), BTreeMap::new()));
+            rows = 0;
+            continue;
+        }
+        let Some(row) = line.strip_prefix('|') else { continue };
+        let Some((key, grants)) = current.as_mut() else { return Err(format!("RBAC section, line {n}: a table before any role line: {line}")) };
+        rows += 1;
+        // The header and the |---| line.
+        if rows <= 2 {
+            continue;
+        }
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let [group, resources, verbs, ..] = cells[..] else { return Err(format!("RBAC section, line {n} ({key:?}): fewer than three columns: {line}")) };
+        let group = code(group).map_err(|e| format!("RBAC section, line {n}, API group: {e}"))?;
+        let verbs: BTreeSet<String> = verbs.split(',').map(|v| v.trim().to_string()).collect();
+        for resource in resources.split(',') {
+            let resource = code(resource.trim()).map_err(|e| format!("RBAC section, line {n}, resource: {e}"))?;
+            if grants.insert((group.clone(), resource.clone()), verbs.clone()).is_some() {
+                return Err(format!("RBAC section, line {n} ({key:?}): {group:?} {resource} in two rows"));
+            }
+        }
+    }
+    if let Some((key, grants)) = current {
+        roles.insert(key, grants);
+    }
+    match roles.iter().find(|(_, g)| g.is_empty()) {
+        Some((key, _)) => Err(format!("{key:?}: no table under it")),
+        None => Ok(roles),
+    }
+}
+
+/// docs/operations.md's RBAC tables hold exactly the rules of deploy/ (every ClusterRole
+/// and Role the tree renders, the agent's included), so the two cannot drift apart.
+#[test]
+fn rbac_tables_in_operations_md_are_the_rules_of_deploy() {
+    let root = repo_root();
+    let markdown = std::fs::read_to_string(root.join("docs/operations.md")).expect("docs/operations.md");
+    let documented = documented_rbac(&markdown).unwrap_or_else(|e| panic!("docs/operations.md: {e}"));
+
+    let out = Command::new(kubectl_path()).arg("kustomize").arg(root.join("deploy")).output().expect("run kubectl kustomize");
+    assert!(out.status.success(), "kubectl kustomize deploy/: {}", text(&out));
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    let mut shipped = BTreeMap::new();
+    for doc in yaml.split("\n---\n") {
+        let obj: Value = serde_yaml::from_str(doc).unwrap_or_else(|e| panic!("rendered YAML: {e}:\n{doc}"));
+        if !matches!(obj["kind"].as_str(), Some("ClusterRole" | "Role")) {
+            continue;
+        }
+        for rule in obj["rules"].as_array().expect("rules") {
+            // The tables have no column for them: a rule narrowed by name needs one first.
+            assert!(rule.get("resourceNames").is_none(), "{:?}: a rule with resourceNames, which the tables cannot show: {rule}", key(&obj));
+        }
+        shipped.insert(key(&obj), grants(&obj));
+    }
+    assert_eq!(shipped.len(), 3, "the controller's ClusterRole and lease Role, the agent's ClusterRole: {:?}", shipped.keys());
+    assert_eq!(documented, shipped, "docs/operations.md's RBAC tables (left) against deploy/ (right)");
+}
+
+#[test]
+fn documented_rbac_reads_each_role_and_refuses_a_role_without_a_table() {
+    let md = "# x\n\n## RBAC\n\nClusterRole `a`:\n\n| API group | resource | verbs | why |\n|---|---|---|---|\n\
+              | `\"\"` | `services`, `nodes` | list, watch | a \\| b |\n\nRole `ns/b` (namespaced):\n\n| g | r | v | w |\n|---|---|---|---|\n\
+              | `coordination.k8s.io` | `leases` | get | x |\n\n## Next\n\nClusterRole `c`:\n";
+    let roles = documented_rbac(md).expect("parses");
+    let role = |kind: &str, ns: &str, name: &str| roles.get(&(kind.to_string(), ns.to_string(), name.to_string()));
+    assert_eq!(role("ClusterRole", "", "a"), Some(&expect_grants(&[("", "services", &["list", "watch"]), ("", "nodes", &["list", "watch"])])));
+    assert_eq!(role("Role", "ns", "b"), Some(&expect_grants(&[("coordination.k8s.io", "leases", &["get"])])));
+    assert_eq!(roles.len(), 2, "the next section's role is not RBAC's: {roles:?}");
+    assert!(documented_rbac("## RBAC\n\nClusterRole `a`:\n\nprose only\n").is_err());
+    assert!(documented_rbac("## RBAC\n\nRole `no-namespace`:\n\n| g | r | v |\n|---|---|---|\n| `x` | `y` | get |\n").is_err());
+}
+
+/// One step of an install order, as the docs and headers write it.
+#[derive(Debug, PartialEq)]
+enum Step {
+    Certificates,
+    AllButWebhooks,
+    WaitForReplica,
+    Everything,
+}
+
+/// The install order in `text` after the line containing `marker`: from its first command
+/// line to the next blank line or code fence (`#` comment markers stripped), each command
+/// read as a [`Step`].
+fn install_order(text: &str, marker: &str) -> Vec<Step> {
+    let mut steps = Vec::new();
+    for line in text.lines().skip_while(|l| !l.contains(marker)).skip(1).map(|l| l.trim_start_matches('#').trim()) {
+        if !steps.is_empty() && (line.is_empty() || line.starts_with("```")) {
+            break;
+        }
+        let step = if line.starts_with("scripts/gen-webhook-certs.sh --apply") {
+            Step::Certificates
+        } else if line.starts_with("kubectl apply -k deploy/ -l 'app.kubernetes.io/component!=admission-registration'") {
+            Step::AllButWebhooks
+        } else if line.starts_with("kubectl -n clusterip-system rollout status deploy/clusterip-controller") {
+            Step::WaitForReplica
+        } else if line.starts_with("kubectl apply -k deploy/") {
+            Step::Everything
+        } else {
+            continue;
+        };
+        steps.push(step);
+    }
+    steps
+}
+
+/// Every install order the repository gives registers the `failurePolicy: Fail` webhooks
+/// only after a controller replica is ready: docs/operations.md's, the README's, and the
+/// headers of deploy/kustomization.yaml and scripts/gen-webhook-certs.sh, which once gave a
+/// shorter order (certificates, `kubectl apply -k deploy/`, certificates) that registered
+/// them at once.
+#[test]
+fn every_install_order_registers_the_webhooks_after_a_ready_replica() {
+    let root = repo_root();
+    let safe = [Step::Certificates, Step::AllButWebhooks, Step::WaitForReplica, Step::Everything, Step::Certificates];
+    for (file, marker) in [
+        ("docs/operations.md", "So register last"),
+        ("README.md", "## Install in your cluster"),
+        ("deploy/kustomization.yaml", "# Install order"),
+        ("scripts/gen-webhook-certs.sh", "# Install order"),
+    ] {
+        let text = std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(text.contains(marker), "{file}: {marker:?} not found");
+        assert_eq!(install_order(&text, marker), safe, "{file}: the install order after {marker:?}");
+    }
 }

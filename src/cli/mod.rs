@@ -2,6 +2,7 @@
 
 mod allocate;
 pub mod backend;
+pub mod completion;
 mod controller;
 mod import;
 mod monitoring;
@@ -50,6 +51,11 @@ pub enum Command {
     /// Print the CustomResourceDefinitions the project ships (IPAddress and ServiceCIDR in
     /// networking.k8s.io/v1, for clusters older than 1.33 that do not serve them) as YAML.
     Crds,
+    /// Print the completion script of a shell (bash, zsh or fish) on stdout.
+    ///
+    /// `source <(clusterip completion bash)` completes in this shell; the list below says
+    /// how to install it for every new shell.
+    Completion(completion::CompletionArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -81,6 +87,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             print!("{}", crate::crds::yaml()?);
             Ok(0)
         }
+        Command::Completion(args) => completion::run(args),
     }
 }
 

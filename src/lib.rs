@@ -10,7 +10,6 @@
 //! - [`repair`]: the consistency pass between Services, allocation records and ranges.
 //! - [`serve`]: HTTP serving with limits on what one client may hold (webhook, metrics).
 //! - [`telemetry`]: logging set-up shared by every binary.
-//! - [`units`]: durations as the command line spells them.
 #![forbid(unsafe_code)]
 
 pub mod alloc;
@@ -32,5 +31,4 @@ pub use clusterip_serve as serve;
 pub mod store;
 pub mod sync;
 pub mod telemetry;
-pub mod units;
 pub mod webhook;

@@ -25,6 +25,15 @@ use super::reconcilers::Reconcilers;
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
+    /// A configuration file whose fields are these flags, in camelCase (`--leader-elect-lease-name`
+    /// → `leaderElectLeaseName`; a repeatable flag takes a list, a switch true or false),
+    /// under `apiVersion: clusterip.allocator/v1alpha1` and `kind: ControllerConfiguration`.
+    /// A flag given here overrides its field; a field overrides an environment variable.
+    /// Every field is checked at start, and each bad one named (docs/operations.md,
+    /// "Configuration file").
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
     #[command(flatten)]
     pub backend: BackendArgs,
 
@@ -123,14 +132,14 @@ pub struct ControllerArgs {
     /// requests normally, /healthz and /livez return success, but /readyz immediately
     /// returns failure, so the webhook Service's endpoints drop this replica before it stops
     /// accepting connections. E.g. 5s; 0 stops at once.
-    #[arg(long, default_value = "5s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = clusterip_component_base::parse_duration)]
     pub shutdown_delay_duration: std::time::Duration,
 
     /// After the shutdown delay, how long requests in flight may take to finish (new
     /// connections are refused by then); what is still open afterwards is closed. The
     /// address pool is returned to etcd after that. Keep delay + drain well inside the pod's
     /// terminationGracePeriodSeconds. E.g. 15s.
-    #[arg(long, default_value = "15s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "15s", value_parser = clusterip_component_base::parse_duration)]
     pub shutdown_drain_timeout: std::time::Duration,
 
     /// How long an address the webhook answered may stay unrecorded by the kube-apiserver
@@ -176,29 +185,29 @@ pub struct ControllerArgs {
     /// Lease, before it takes the Lease over (measured on its own clock, never by the
     /// timestamps in the Lease). The longest a crashed leader's reconcilers stay without a
     /// successor. Whole seconds, greater than the renew deadline; e.g. 15s.
-    #[arg(long, default_value = "15s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "15s", value_parser = clusterip_component_base::parse_duration)]
     pub leader_elect_lease_duration: std::time::Duration,
 
     /// How long the leader keeps leading when it cannot renew the Lease (apiserver
     /// unreachable, requests hanging): once its last successful renewal is this old, it stops
     /// its reconcilers and becomes a candidate again, before anyone else may take over.
     /// Greater than 1.2 × the retry period, less than the lease duration; e.g. 10s.
-    #[arg(long, default_value = "10s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = clusterip_component_base::parse_duration)]
     pub leader_elect_renew_deadline: std::time::Duration,
 
     /// How often the leader renews the Lease, and the others look at it (they add up to 20%
     /// jitter), e.g. 2s.
-    #[arg(long, default_value = "2s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = clusterip_component_base::parse_duration)]
     pub leader_elect_retry_period: std::time::Duration,
 
     /// How often the leader runs the repair pass (also once when it starts leading), e.g.
     /// 3m; 0 turns the repair loop off.
-    #[arg(long, default_value = "3m", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "3m", value_parser = clusterip_component_base::parse_duration)]
     pub repair_interval: std::time::Duration,
 
     /// (ipaddress backend) An IPAddress of ours whose Service does not exist is released by
     /// the repair pass once older than this.
-    #[arg(long, default_value = "60s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = clusterip_component_base::parse_duration)]
     pub repair_grace_period: std::time::Duration,
 }
 
@@ -210,7 +219,7 @@ fn parse_pool(s: &str) -> Result<usize, String> {
 }
 
 fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
-    match crate::units::parse_duration(s)? {
+    match clusterip_component_base::parse_duration(s)? {
         d if d.is_zero() => Err(format!("invalid timeout {s:?}: must be longer than 0")),
         d => Ok(d),
     }

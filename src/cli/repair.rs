@@ -48,7 +48,7 @@ pub struct RepairArgs {
 
     /// (ipaddress backend) An IPAddress whose Service does not exist is released only once
     /// it is older than this, e.g. 60s.
-    #[arg(long, default_value = "60s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = clusterip_component_base::parse_duration)]
     pub grace_period: Duration,
 
     /// Read-only audit of a cluster where only the kube-apiserver allocates: its IPAddress

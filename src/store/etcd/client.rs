@@ -74,10 +74,10 @@ pub struct EtcdArgs {
     #[arg(long = "etcd-password", env = "CLUSTERIP_ETCD_PASSWORD", hide_env_values = true)]
     pub password: Option<String>,
     /// Time allowed to connect to etcd, e.g. 5s.
-    #[arg(long = "etcd-dial-timeout", default_value = "5s", value_parser = crate::units::parse_duration)]
+    #[arg(long = "etcd-dial-timeout", default_value = "5s", value_parser = clusterip_component_base::parse_duration)]
     pub dial_timeout: Duration,
     /// Time allowed for one etcd request, e.g. 5s.
-    #[arg(long = "etcd-request-timeout", default_value = "5s", value_parser = crate::units::parse_duration)]
+    #[arg(long = "etcd-request-timeout", default_value = "5s", value_parser = clusterip_component_base::parse_duration)]
     pub request_timeout: Duration,
     /// Most allocations made durable in one etcd transaction (group commit); 1 = one
     /// compare-and-swap per allocation.

@@ -17,7 +17,12 @@
 #                                        up == 1 for both jobs (every controller replica, the agent),
 #                                        every metric family either component exposes has a series,
 #                                        every dashboard query returns a series,
-#                                        every rule evaluates without error.
+#                                        every rule evaluates without error,
+#                                        every query of the kubernetes-mixin's kube-proxy
+#                                        dashboard (deploy/monitoring/tests/
+#                                        kube-proxy-mixin-queries.txt) returns a series
+#                                        (or evaluates, where the file says so), after an
+#                                        endpoint change and an Event the agent posted.
 #
 # Owns what it starts: the node (CLUSTERIP_NODE_DIR, default a temporary directory; it must
 # not hold a node already) and Prometheus; both are removed at exit, also on failure or
@@ -45,8 +50,10 @@ command -v jq >/dev/null || die "needs jq"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/clusterip-monitoring.XXXXXX")
 prom_pid=
+holder_pid=
 finish() {
   local rc=$?
+  if [ -n "$holder_pid" ]; then kill "$holder_pid" 2>/dev/null; fi
   if [ -n "$prom_pid" ]; then
     kill "$prom_pid" 2>/dev/null
     local d=$((SECONDS + 15))
@@ -142,6 +149,32 @@ k create namespace monitoring-test >/dev/null 2>&1
 for i in 1 2 3; do k -n monitoring-test create service clusterip "m$i" --tcp=80 >/dev/null || die "creating a Service"; done
 k -n monitoring-test create service clusterip static --tcp=80 --clusterip=198.18.242.200 >/dev/null || die "creating a Service with a requested address"
 k -n monitoring-test delete service m1 >/dev/null
+# For kube-proxy's metrics (the mixin's panels): an endpoint change the agent programs — a pod
+# behind a Service, whose EndpointSlice carries the trigger time the network programming
+# latency is measured from — and a POST of the agent's: the Event FailedToStartServiceHealthcheck
+# for a health-check node port something else on the node already holds.
+# shellcheck source=versions.env
+. "$repo/scripts/versions.env"
+k -n monitoring-test run web --image="registry.k8s.io/pause:$K8S_VERSION" --labels=app=web >/dev/null || die "creating the pod web"
+k -n monitoring-test create service clusterip web --tcp=80 >/dev/null || die "creating the Service web"
+hc_port=31999
+# shellcheck disable=SC2016 # ($$, $1, $2: the inner shell's)
+"$node" exec sh -c 'echo $$ > "$1/holder.pid"; exec python3 -c "import socket, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((\"0.0.0.0\", $2)); s.listen(); time.sleep(3600)"' sh "$work" "$hc_port" &
+d=$((SECONDS + 10)); until [ -s "$work/holder.pid" ] || [ $SECONDS -ge $d ]; do sleep 0.2; done
+holder_pid=$(cat "$work/holder.pid" 2>/dev/null) || die "the port holder did not start"
+k -n monitoring-test apply -f - >/dev/null <<YAML || die "creating the Service lb-local"
+apiVersion: v1
+kind: Service
+metadata: {name: lb-local}
+spec:
+  type: LoadBalancer
+  externalTrafficPolicy: Local
+  healthCheckNodePort: $hc_port
+  selector: {app: web}
+  ports: [{port: 80}]
+YAML
+k -n monitoring-test wait --for=condition=Ready pod/web --timeout=180s >&2 || die "the pod web not Ready"
 # The agent's /healthz, as a load balancer probes it (the kubelet probes /livez).
 node_ip=$(k -n kube-system get pods -l app.kubernetes.io/name=clusterip-agent -o jsonpath='{.items[0].status.hostIP}')
 "$node" exec curl -s --max-time 5 -o /dev/null "http://$node_ip:10256/healthz" || die "GET http://$node_ip:10256/healthz"
@@ -216,6 +249,37 @@ while IFS=$'\t' read -r title expr; do
 done < <(python3 "$helper" dashboard-queries "$mon/dashboard.json")
 log "$queries dashboard queries run"
 
+# Every query of the kubernetes-mixin's kube-proxy dashboard, adapted to the agent's job.
+mixin=$mon/tests/kube-proxy-mixin-queries.txt
+event_posted() { [ -n "$(k -n monitoring-test get events --field-selector reason=FailedToStartServiceHealthcheck -o name)" ]; }
+until_ok 60 "the agent's Event" event_posted || fail "no FailedToStartServiceHealthcheck Event for lb-local"
+programmed() { [ "$(series 'kubeproxy_network_programming_duration_seconds_count{job="clusterip-agent"} > 0')" -ge 1 ]; }
+until_ok 90 "a network programming observation" programmed || fail "no kubeproxy_network_programming_duration_seconds observation"
+posted() { [ "$(series 'count_over_time(rest_client_request_duration_seconds_count{job="clusterip-agent",verb="POST"}[5m]) >= 2')" -ge 1 ]; }
+until_ok 90 "two scrapes of the POST" posted || fail "the agent's POST not scraped twice"
+mixin_queries=0
+title=
+while IFS= read -r line; do
+  case "$line" in
+    '## '*) title=${line#'## '} ;;
+    'series: '* | 'evaluates: '*)
+      kind=${line%%: *} expr=${line#*: }
+      mixin_queries=$((mixin_queries + 1))
+      answer=$(query "$expr") || { fail "mixin '$title': the query failed: $expr"; continue; }
+      n=$(jq -r '.data.result | length' <<< "$answer")
+      if [ "$kind" = evaluates ]; then
+        echo "mixin '$title' (evaluates): $n series"
+      elif [ "$n" -gt 0 ]; then
+        echo "mixin '$title': $n series, $(jq -c '[.data.result[] | .value[1]]' <<< "$answer")"
+      else
+        fail "mixin panel '$title': no series from $expr"
+      fi
+      ;;
+  esac
+done < "$mixin"
+[ "$mixin_queries" -ge 15 ] || fail "only $mixin_queries queries read from $mixin"
+log "$mixin_queries kube-proxy mixin queries run"
+
 # Every rule of the PrometheusRule is loaded and evaluates without error.
 rules=$("$node" exec curl -sf --max-time 10 "$prom/api/v1/rules") || die "GET /api/v1/rules"
 loaded=$(jq '[.data.groups[].rules[]] | length' <<< "$rules")
@@ -226,4 +290,4 @@ bad=$(jq -r '.data.groups[].rules[] | select(.health != "ok" and .health != "unk
 echo "rules: $loaded loaded; firing now: $(jq -r '[.data.groups[].rules[] | select(.state == "firing") | .name] | join(", ") | if . == "" then "none" else . end' <<< "$rules")"
 
 [ "$fails" = 0 ] || die "$fails check(s) failed"
-log "ok: both jobs up, $families metric families with data, $queries dashboard queries with data, $loaded rules evaluating"
+log "ok: both jobs up, $families metric families with data, $queries dashboard queries with data, $mixin_queries kube-proxy mixin queries, $loaded rules evaluating"

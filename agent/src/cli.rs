@@ -6,12 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use clusterip_telemetry::LogFormat;
 use ipnet::IpNet;
 
 use crate::healthz::ProxyHealth;
 use crate::http::{self, Response};
 use crate::iptables::IptablesProxier;
-use crate::metrics::{CodeLabel, Metrics};
+use crate::metrics::{CodeLabel, Dataplane, Metrics, RestClientMetrics};
 use crate::model::service::{ServiceLimits, DEFAULT_MAX_SERVICE_ADDRESSES};
 use crate::model::state::{NodeInfo, ProxyState};
 use crate::netns::Executor;
@@ -36,6 +37,11 @@ pub enum Mode {
 #[derive(Debug, Parser)]
 #[command(name = "clusterip-agent", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("CLUSTERIP_BUILD_COMMIT"), ")"), about, long_about = None)]
 pub struct Args {
+    /// Log format on stderr: text (human-readable lines) or json (one JSON object per line),
+    /// as the controller's --log-format. RUST_LOG sets the level (default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CLUSTERIP_LOG_FORMAT")]
+    pub log_format: LogFormat,
+
     /// Kubeconfig to reach the API server. Without it: in-cluster config, then $KUBECONFIG / ~/.kube/config.
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<std::path::PathBuf>,
@@ -150,7 +156,8 @@ fn hostname() -> Result<String, AgentError> {
         .map_err(|e| AgentError::NodeName(e.to_string()))
 }
 
-async fn kube_client(args: &Args) -> Result<kube::Client, AgentError> {
+/// The kube client, its requests recorded in `rest_client` (client-go's metrics).
+async fn kube_client(args: &Args, rest_client: &RestClientMetrics) -> Result<kube::Client, AgentError> {
     let config = match &args.kubeconfig {
         Some(p) => {
             let err = |message: String| AgentError::Kubeconfig { path: p.display().to_string(), message };
@@ -159,7 +166,8 @@ async fn kube_client(args: &Args) -> Result<kube::Client, AgentError> {
         }
         None => kube::Config::infer().await?,
     };
-    Ok(kube::Client::try_from(config)?)
+    let host = config.cluster_url.authority().map(|a| a.to_string()).unwrap_or_default();
+    Ok(kube::client::ClientBuilder::try_from(config)?.with_layer(&rest_client.layer(host)).build())
 }
 
 /// Build the dataplane for `args`.
@@ -196,19 +204,29 @@ pub async fn run(args: Args) -> Result<(), AgentError> {
         Some(n) => n.clone(),
         None => hostname()?,
     };
-    let client = kube_client(&args).await?;
+    let metrics = Metrics::for_dataplane(match args.mode {
+        Mode::Nftables => Dataplane::Nftables,
+        Mode::Iptables => Dataplane::Iptables,
+    });
+    let client = kube_client(&args, &metrics.rest_client).await?;
     let limits = ServiceLimits { max_addresses: args.max_service_addresses, external_ip_cidrs: args.external_ip_cidrs.clone() };
     let state = ProxyState::new(NodeInfo { name: node_name.clone(), zone: None }, args.service_proxy_name.clone()).with_limits(limits);
     let health = ProxyHealth::new(args.sync_period * 2);
-    let shared = Shared::new(state, health, Metrics::new());
+    let shared = Shared::new(state, health, metrics);
 
     if !args.healthz_bind_address.is_empty() {
         let s = shared.clone();
         let handler: http::Handler = Arc::new(move |path| match path {
             "/healthz" | "/livez" => {
                 let a = s.health.answer(path == "/healthz");
-                let family = if path == "/healthz" { &s.metrics.healthz } else { &s.metrics.livez };
-                family.get_or_create(&CodeLabel { code: a.code.to_string() }).inc();
+                let (ours, kube_proxy) = if path == "/healthz" {
+                    (&s.metrics.healthz, &s.metrics.kube_proxy.healthz)
+                } else {
+                    (&s.metrics.livez, &s.metrics.kube_proxy.livez)
+                };
+                let code = CodeLabel { code: a.code.to_string() };
+                ours.get_or_create(&code).inc();
+                kube_proxy.get_or_create(&code).inc();
                 Response::new(a.code, "application/json", a.body)
             }
             _ => Response::new(404, "text/plain", "not found\n"),
@@ -269,5 +287,20 @@ async fn wait_for_signal() {
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_format_takes_the_controllers_values() {
+        let parse = |a: &[&str]| Args::try_parse_from([&["clusterip-agent"], a].concat());
+        assert_eq!(parse(&[]).expect("defaults").log_format, LogFormat::Text);
+        assert_eq!(parse(&["--log-format", "json"]).expect("json").log_format, LogFormat::Json);
+        assert_eq!(parse(&["--log-format=text"]).expect("text").log_format, LogFormat::Text);
+        assert!(parse(&["--log-format", "logfmt"]).is_err(), "an unknown format is refused");
+        assert_eq!(parse(&[]).expect("defaults").metrics_bind_address, "127.0.0.1:10249", "kube-proxy's default");
     }
 }

@@ -11,8 +11,9 @@ use crate::conntrack::flusher::{self, Flusher};
 use crate::conntrack::ConntrackCleaner;
 use crate::healthz::ProxyHealth;
 use crate::locks;
+use crate::metrics::kube_proxy::{family_label, NoLocalEndpoints};
 use crate::metrics::{KindLabel, Metrics};
-use crate::model::state::ProxyState;
+use crate::model::state::{Changes, ProxyState};
 use crate::netns::Executor;
 use crate::proxier::{Proxier, SyncBatch};
 
@@ -64,13 +65,19 @@ impl Shared {
 
     /// Run `f` on the control block; if it reports a change, queue a sync.
     pub fn update(&self, f: impl FnOnce(&mut Control) -> bool) {
-        let changed = {
-            let mut c = self.lock();
-            f(&mut c)
-        };
+        let mut c = self.lock();
+        let changed = f(&mut c);
+        // Under the lock, which the sync loop takes to start a sync: a change is marked
+        // queued before any sync can take it (the loop need not be woken to see it).
+        self.metrics.kube_proxy.set_pending(c.state.pending_changes());
         if changed {
             self.health.queued_update();
-            self.metrics.last_queued_timestamp.set(unix_now());
+            let now = unix_now();
+            self.metrics.last_queued_timestamp.set(now);
+            self.metrics.kube_proxy.queued(now);
+        }
+        drop(c);
+        if changed {
             self.wake.notify_all();
         }
     }
@@ -109,6 +116,7 @@ pub fn run(
     let mut last_verify = Instant::now();
     // The dataplane has something to tidy (chains emptied by a rebuild): one more sync soon.
     let mut cleanup_pending = false;
+    let mut no_local = NoLocalEndpoints::default();
     loop {
         // Wait for work.
         let mut c = shared.lock();
@@ -165,11 +173,13 @@ pub fn run(
                 (n, d)
             });
             let batch = SyncBatch { full: changes.full, services: services.collect() };
+            shared.metrics.kube_proxy.set_pending(c.state.pending_changes());
             (batch, changes, c.state.service_port_count(), c.state.limit_counts())
         };
         let result = proxier.sync(&batch);
         let elapsed = start.elapsed();
         shared.metrics.sync_duration.observe(elapsed.as_secs_f64());
+        shared.metrics.kube_proxy.observe_sync(batch.full, elapsed.as_secs_f64());
         match result {
             Ok(report) => {
                 if batch.full {
@@ -181,13 +191,12 @@ pub fn run(
                 retry_at = None;
                 backoff = Duration::from_secs(1).min(cfg.sync_period);
                 cleanup_pending = report.cleanup_pending;
-                let now = SystemTime::now();
-                for t in changes.trigger_times.values() {
-                    if let Ok(d) = now.duration_since(*t) {
-                        shared.metrics.network_programming_duration.observe(d.as_secs_f64());
-                    }
-                }
-                shared.metrics.last_sync_timestamp.set(unix_now());
+                observe_programming(&shared.metrics, &changes, SystemTime::now());
+                let now = unix_now();
+                shared.metrics.last_sync_timestamp.set(now);
+                shared.metrics.kube_proxy.sync_succeeded(now);
+                no_local.update(&batch);
+                no_local.publish(&shared.metrics.kube_proxy.no_local_endpoints);
                 shared.metrics.service_ports.set(service_ports as i64);
                 shared.metrics.services_over_address_limit.set(limits.0 as i64);
                 shared.metrics.external_ips_ignored.set(limits.1 as i64);
@@ -229,12 +238,14 @@ pub fn run(
             }
             Err(e) => {
                 shared.metrics.sync_failures.inc();
+                shared.metrics.kube_proxy.sync_failed(batch.full);
                 tracing::error!(error = %e, retry_in = ?backoff, "sync failed");
                 {
                     // The dataplane rebuilds after a failure: the retry must carry every Service.
                     let mut c = shared.lock();
                     c.state.restore_changes(changes);
                     c.state.request_full();
+                    shared.metrics.kube_proxy.set_pending(c.state.pending_changes());
                 }
                 retry_at = Some(Instant::now() + backoff);
                 backoff = (backoff * 2).min(cfg.sync_period.max(Duration::from_secs(1)));
@@ -246,6 +257,18 @@ pub fn run(
             release_freed_memory();
         }
         last_end = Some(Instant::now());
+    }
+}
+
+/// The network programming latency of each change a sync programmed, from its trigger time
+/// to `now`: in the agent's histogram, and in kube-proxy's for the slice's family. A trigger
+/// time in the future (the control plane's clock ahead of the node's) is not observed.
+fn observe_programming(metrics: &Metrics, changes: &Changes, now: SystemTime) {
+    for ((_, family), t) in &changes.trigger_times {
+        if let Ok(d) = now.duration_since(*t) {
+            metrics.network_programming_duration.observe(d.as_secs_f64());
+            metrics.kube_proxy.network_programming_duration.get_or_create(&family_label(*family)).observe(d.as_secs_f64());
+        }
     }
 }
 
@@ -451,6 +474,15 @@ mod tests {
         .expect("slice")
     }
 
+    /// `slice` with the trigger time `t`.
+    fn slice_at(svc: usize, generation: usize, t: SystemTime) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+        let mut s = slice(svc, generation);
+        s.metadata.annotations = Some([(TRIGGER.to_string(), humantime::format_rfc3339_millis(t).to_string())].into());
+        s
+    }
+
+    const TRIGGER: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
     #[test]
     fn while_syncs_keep_failing_pending_state_stays_bounded() {
         // Backoff capped at 1 s by the sync period: failures come quickly.
@@ -518,5 +550,78 @@ mod tests {
         let waited = c[1].start.duration_since(c[0].end);
         assert!(waited >= Duration::from_secs(1), "the retry waited {waited:?}, less than the 1 s backoff");
         assert_eq!(shared.metrics.sync_failures.get(), 1);
+    }
+
+    /// The metrics text (what /metrics serves).
+    fn text(shared: &Shared) -> String {
+        shared.metrics.encode()
+    }
+
+    /// The value of the sample `line_prefix` (a name with its labels) in `text`.
+    fn sample(text: &str, line_prefix: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(line_prefix).and_then(|v| v.trim().parse().ok()))
+    }
+
+    #[test]
+    fn kube_proxy_metrics_follow_syncs_changes_and_trigger_times() {
+        let l = start(0, Duration::from_millis(10));
+        l.shared.update(|c| {
+            c.services_synced = true;
+            c.slices_synced = true;
+            c.state.apply_service(&svc(0))
+        });
+        wait("the first sync", || l.shared.lock().syncs >= 1);
+        let first = text(&l.shared);
+        for family in ["IPv4", "IPv6"] {
+            let l = format!("{{ip_family=\"{family}\"}}");
+            assert_eq!(sample(&first, &format!("kubeproxy_sync_proxy_rules_duration_seconds_count{l}")), Some(1.0), "{first}");
+            assert_eq!(sample(&first, &format!("kubeproxy_sync_full_proxy_rules_duration_seconds_count{l}")), Some(1.0), "{first}");
+            let last = sample(&first, &format!("kubeproxy_sync_proxy_rules_last_timestamp_seconds{l}")).expect("last sync timestamp");
+            assert!(last > 1.7e9, "a Unix time: {last}");
+            assert!(sample(&first, &format!("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{l}")).is_some_and(|q| q <= last), "{first}");
+        }
+        assert_eq!(sample(&first, "kubeproxy_sync_proxy_rules_service_changes_pending "), Some(0.0), "taken by the sync: {first}");
+        // A slice changed at a known time, held pending: counted, then programmed.
+        l.gate.set(true);
+        l.shared.update(|c| c.state.apply_service(&svc(1)));
+        wait("the second sync to start", || l.calls().len() >= 2);
+        let trigger = SystemTime::now();
+        l.shared.update(|c| c.state.apply_slice(&slice_at(0, 1, trigger)));
+        let pending = text(&l.shared);
+        assert_eq!(sample(&pending, "kubeproxy_sync_proxy_rules_endpoint_changes_pending "), Some(1.0), "{pending}");
+        std::thread::sleep(Duration::from_millis(300)); // (the latency to measure)
+        l.gate.set(false);
+        wait("the slice programmed", || l.shared.lock().syncs >= 3);
+        let after = text(&l.shared);
+        let _ = l.stop();
+        assert_eq!(sample(&after, "kubeproxy_sync_proxy_rules_endpoint_changes_pending "), Some(0.0), "{after}");
+        assert_eq!(sample(&after, "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}"), Some(2.0), "{after}");
+        // One observation, in the slice's family, between 0.25 s and the time since the trigger.
+        let p = "kubeproxy_network_programming_duration_seconds";
+        assert_eq!(sample(&after, &format!("{p}_count{{ip_family=\"IPv4\"}}")), Some(1.0), "{after}");
+        assert!(!after.contains(&format!("{p}_count{{ip_family=\"IPv6\"}}")), "no IPv6 slice changed: {after}");
+        let observed = sample(&after, &format!("{p}_sum{{ip_family=\"IPv4\"}}")).expect("sum");
+        let bound = trigger.elapsed().expect("clock").as_secs_f64();
+        assert!((0.25..=bound).contains(&observed), "observed {observed} s, the trigger was {bound} s ago");
+        assert_eq!(sample(&after, &format!("{p}_bucket{{le=\"0.25\",ip_family=\"IPv4\"}}")), Some(0.0), "{after}");
+    }
+
+    #[test]
+    fn failed_syncs_are_timed_and_counted_as_kube_proxy_does() {
+        let l = start(1, Duration::from_millis(10));
+        l.shared.update(|c| {
+            c.services_synced = true;
+            c.slices_synced = true;
+            c.state.apply_service(&svc(0))
+        });
+        wait("the retry", || l.shared.lock().syncs >= 1);
+        let t = text(&l.shared);
+        let _ = l.stop();
+        let v4 = "{ip_family=\"IPv4\"}";
+        assert_eq!(sample(&t, &format!("kubeproxy_sync_proxy_rules_nftables_sync_failures_total{v4}")), Some(1.0), "{t}");
+        // Both the failed sync and its retry are timed (kube-proxy's deferred observation).
+        assert_eq!(sample(&t, &format!("kubeproxy_sync_proxy_rules_duration_seconds_count{v4}")), Some(2.0), "{t}");
+        assert_eq!(sample(&t, "clusterip_agent_sync_proxy_rules_duration_seconds_count "), Some(2.0), "{t}");
+        assert!(!t.contains("iptables_restore_failures"), "an nftables agent has no iptables counters: {t}");
     }
 }

@@ -12,7 +12,10 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 
+use prometheus_client::metrics::counter::Counter;
+
 use crate::healthz::TO_BE_DELETED_TAINT;
+use crate::metrics::Metrics;
 use crate::model::service::{HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL};
 use crate::model::NamespacedName;
 use crate::sync::Shared;
@@ -45,6 +48,13 @@ trait Folded: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde
     fn replace_all(c: &mut crate::sync::Control, list: &[Self]);
     fn apply(c: &mut crate::sync::Control, o: &Self) -> bool;
     fn delete(c: &mut crate::sync::Control, key: &NamespacedName) -> bool;
+    /// kube-proxy's counter of this kind's changes (`…_changes_total`: every add, update and
+    /// delete it is handed, whether it changes anything or not).
+    fn changes_total(m: &Metrics) -> &Counter;
+    /// Whether kube-proxy would count this object (it skips FQDN EndpointSlices).
+    fn counted(_o: &Self) -> bool {
+        true
+    }
 }
 
 impl Folded for Service {
@@ -58,6 +68,9 @@ impl Folded for Service {
     }
     fn delete(c: &mut crate::sync::Control, key: &NamespacedName) -> bool {
         c.state.delete_service(key)
+    }
+    fn changes_total(m: &Metrics) -> &Counter {
+        &m.kube_proxy.service_changes_total
     }
 }
 
@@ -73,6 +86,12 @@ impl Folded for EndpointSlice {
     fn delete(c: &mut crate::sync::Control, key: &NamespacedName) -> bool {
         c.state.delete_slice(key)
     }
+    fn changes_total(m: &Metrics) -> &Counter {
+        &m.kube_proxy.endpoint_changes_total
+    }
+    fn counted(o: &Self) -> bool {
+        o.address_type != "FQDN"
+    }
 }
 
 /// Watch one kind until the stream ends (it retries with backoff on errors): a re-list is
@@ -86,13 +105,24 @@ async fn watch<K: Folded>(api: Api<K>, cfg: watcher::Config, shared: Arc<Shared>
             Ok(Event::InitApply(o)) => buffer.push(o),
             Ok(Event::InitDone) => {
                 let list = std::mem::take(&mut buffer);
+                K::changes_total(&shared.metrics).inc_by(list.iter().filter(|o| K::counted(o)).count() as u64);
                 shared.update(|c| {
                     K::replace_all(c, &list);
                     true
                 });
             }
-            Ok(Event::Apply(o)) => shared.update(|c| K::apply(c, &o)),
-            Ok(Event::Delete(o)) => shared.update(|c| K::delete(c, &nsn(&o))),
+            Ok(Event::Apply(o)) => {
+                if K::counted(&o) {
+                    K::changes_total(&shared.metrics).inc();
+                }
+                shared.update(|c| K::apply(c, &o))
+            }
+            Ok(Event::Delete(o)) => {
+                if K::counted(&o) {
+                    K::changes_total(&shared.metrics).inc();
+                }
+                shared.update(|c| K::delete(c, &nsn(&o)))
+            }
             Err(e) => tracing::warn!(error = %e, kind = K::KIND, "watch error (retrying)"),
         }
     }

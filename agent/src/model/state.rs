@@ -35,6 +35,18 @@ impl DesiredPort {
             IpFamily::V6 => &self.v6,
         }
     }
+
+    /// (internal, external): whether this port's traffic under that Local policy is dropped
+    /// in `family` because the Service has endpoints, none of them on this node (kube-proxy's
+    /// `serviceNoLocalEndpointsTotal{Internal,External}`; a port without any endpoint is
+    /// rejected, and counted in neither).
+    pub fn without_local_endpoints(&self, family: IpFamily) -> (bool, bool) {
+        let e = self.endpoints(family);
+        if !self.port.has_family(family) || !e.has_any || !e.local.is_empty() {
+            return (false, false);
+        }
+        (self.port.internal_policy_local, self.port.external_policy_local)
+    }
 }
 
 /// What changed since the last sync.
@@ -43,11 +55,26 @@ pub struct Changes {
     pub services: HashSet<NamespacedName>,
     /// Re-render everything (node labels changed, first sync, after a failure).
     pub full: bool,
-    /// The earliest `last-change-trigger-time` of the slices changed, per Service, for the
-    /// network programming latency. One per Service, not one per slice change: while syncs
-    /// keep failing the changes are put back and new ones keep coming, and this must not
-    /// grow with them (the oldest unprogrammed change is the one whose latency counts).
-    pub trigger_times: HashMap<NamespacedName, SystemTime>,
+    /// The earliest `last-change-trigger-time` of the slices changed, per Service and IP
+    /// family (the slice's address type), for the network programming latency. One per
+    /// Service and family, not one per slice change: while syncs keep failing the changes
+    /// are put back and new ones keep coming, and this must not grow with them (the oldest
+    /// unprogrammed change is the one whose latency counts).
+    pub trigger_times: HashMap<(NamespacedName, IpFamily), SystemTime>,
+    /// Services whose Service object changed (kube-proxy's pending Service changes).
+    pub service_objects: HashSet<NamespacedName>,
+    /// EndpointSlice additions, updates and deletions that changed something (kube-proxy's
+    /// pending Endpoint changes: a count of changes, not of Services).
+    pub endpoint_changes: usize,
+}
+
+/// How many changes wait for a sync (kube-proxy's `…_changes_pending` gauges).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PendingChanges {
+    /// Services whose Service object changed.
+    pub services: usize,
+    /// EndpointSlice changes.
+    pub endpoint_changes: usize,
 }
 
 /// Services and EndpointSlices as last seen, with pending changes.
@@ -171,6 +198,7 @@ impl ProxyState {
                     return false;
                 }
                 self.services.insert(nsn.clone(), ports);
+                self.changes.service_objects.insert(nsn.clone());
                 self.changes.services.insert(nsn);
                 true
             }
@@ -182,6 +210,7 @@ impl ProxyState {
     pub fn delete_service(&mut self, nsn: &NamespacedName) -> bool {
         if self.services.remove(nsn).is_some() {
             self.limited.remove(nsn);
+            self.changes.service_objects.insert(nsn.clone());
             self.changes.services.insert(nsn.clone());
             true
         } else {
@@ -227,9 +256,10 @@ impl ProxyState {
         }
         if let Some(t) = info.trigger_time.as_deref().and_then(|t| humantime::parse_rfc3339_weak(t).ok()) {
             if t >= self.started {
-                note_trigger(&mut self.changes.trigger_times, &info.service, t);
+                note_trigger(&mut self.changes.trigger_times, (info.service.clone(), info.family), t);
             }
         }
+        self.changes.endpoint_changes += 1;
         self.changes.services.insert(info.service.clone());
         self.slice_owner.insert(key.clone(), info.service.clone());
         per_service.insert(key.name, info);
@@ -245,6 +275,7 @@ impl ProxyState {
                 self.slices.remove(&owner);
             }
         }
+        self.changes.endpoint_changes += 1;
         self.changes.services.insert(owner);
         true
     }
@@ -279,9 +310,16 @@ impl ProxyState {
     pub fn restore_changes(&mut self, mut changes: Changes) {
         self.changes.services.extend(changes.services.drain());
         self.changes.full |= changes.full;
-        for (nsn, t) in changes.trigger_times.drain() {
-            note_trigger(&mut self.changes.trigger_times, &nsn, t);
+        for (key, t) in changes.trigger_times.drain() {
+            note_trigger(&mut self.changes.trigger_times, key, t);
         }
+        self.changes.service_objects.extend(changes.service_objects.drain());
+        self.changes.endpoint_changes += changes.endpoint_changes;
+    }
+
+    /// The changes no sync has taken yet.
+    pub fn pending_changes(&self) -> PendingChanges {
+        PendingChanges { services: self.changes.service_objects.len(), endpoint_changes: self.changes.endpoint_changes }
     }
 
     /// How much is pending for the next sync: (Services changed, trigger times kept).
@@ -345,9 +383,9 @@ impl ProxyState {
     }
 }
 
-/// Keep the earliest trigger time of a Service.
-fn note_trigger(times: &mut HashMap<NamespacedName, SystemTime>, nsn: &NamespacedName, t: SystemTime) {
-    let e = times.entry(nsn.clone()).or_insert(t);
+/// Keep the earliest trigger time of a Service in a family.
+fn note_trigger(times: &mut HashMap<(NamespacedName, IpFamily), SystemTime>, key: (NamespacedName, IpFamily), t: SystemTime) {
+    let e = times.entry(key).or_insert(t);
     if t < *e {
         *e = t;
     }
@@ -416,6 +454,63 @@ mod tests {
         assert_eq!(d[0].v4.cluster.len(), 2);
         assert_eq!(d[0].v6.cluster.len(), 1);
         assert_eq!(d[0].v4.cluster[0].port, 8080);
+    }
+
+    #[test]
+    fn pending_changes_count_service_objects_and_slice_changes_until_taken() {
+        let mut st = state();
+        st.take_changes();
+        assert!(st.apply_service(&svc()));
+        assert!(!st.apply_service(&svc()), "no change: not pending");
+        assert!(st.apply_slice(&slice("a", "IPv4", &["198.18.2.1"])));
+        assert!(st.apply_slice(&slice("a", "IPv4", &["198.18.2.2"])));
+        assert!(!st.apply_slice(&slice("a", "IPv4", &["198.18.2.2"])), "no change: not pending");
+        assert!(st.delete_slice(&NamespacedName::new("ns", "a")));
+        assert_eq!(st.pending_changes(), PendingChanges { services: 1, endpoint_changes: 3 });
+        let taken = st.take_changes();
+        assert_eq!(st.pending_changes(), PendingChanges::default());
+        st.restore_changes(taken);
+        assert_eq!(st.pending_changes(), PendingChanges { services: 1, endpoint_changes: 3 }, "put back after a failed sync");
+    }
+
+    #[test]
+    fn trigger_times_are_kept_per_family_earliest_first() {
+        let mut st = state();
+        st.apply_service(&svc());
+        let at = |s: EndpointSlice, t: SystemTime| {
+            let mut s = s;
+            s.metadata.annotations = Some([("endpoints.kubernetes.io/last-change-trigger-time".to_string(), humantime::format_rfc3339_millis(t).to_string())].into());
+            s
+        };
+        let t0 = SystemTime::now() + std::time::Duration::from_secs(1);
+        let t1 = t0 + std::time::Duration::from_secs(5);
+        st.apply_slice(&at(slice("a", "IPv4", &["198.18.2.1"]), t1));
+        st.apply_slice(&at(slice("a", "IPv4", &["198.18.2.2"]), t0));
+        st.apply_slice(&at(slice("b", "IPv6", &["fd00:2::1"]), t1));
+        let ch = st.take_changes();
+        let web = NamespacedName::new("ns", "web");
+        let v4 = ch.trigger_times.get(&(web.clone(), IpFamily::V4)).copied();
+        let v6 = ch.trigger_times.get(&(web, IpFamily::V6)).copied();
+        // (Millisecond precision in the annotation.)
+        let ms = |t: Option<SystemTime>| t.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_millis());
+        assert_eq!(ms(v4), ms(Some(t0)), "the earliest IPv4 change");
+        assert_eq!(ms(v6), ms(Some(t1)));
+    }
+
+    #[test]
+    fn a_local_policy_port_without_local_endpoints_is_counted_in_its_family_only() {
+        let mut st = state();
+        let local: Service = serde_json::from_value(json!({"metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"clusterIPs": ["198.19.0.10", "fd00:10:96::a"], "internalTrafficPolicy": "Local", "ports": [{"name": "http", "port": 80}]}}))
+        .expect("svc");
+        st.apply_service(&local);
+        let web = NamespacedName::new("ns", "web");
+        assert_eq!(st.desired(&web)[0].without_local_endpoints(IpFamily::V4), (false, false), "no endpoints at all: rejected, not counted");
+        st.apply_slice(&slice("a", "IPv4", &["198.18.2.1"]));
+        let d = st.desired(&web);
+        assert_eq!(d[0].without_local_endpoints(IpFamily::V4), (true, false), "endpoints on n2 only");
+        assert_eq!(d[0].without_local_endpoints(IpFamily::V6), (false, false), "no IPv6 endpoints at all");
+        assert_eq!(st.desired(&NamespacedName::new("ns", "gone")), vec![]);
     }
 
     #[test]

@@ -1,8 +1,13 @@
 //! Prometheus metrics, named like kube-proxy's (`kubeproxy_sync_proxy_rules_…`) under the
 //! prefix `clusterip_agent_`; besides them `clusterip_agent_build_info{version,commit}` (always
-//! 1) and the convention's unprefixed `process_*` metrics ([`clusterip_process_metrics`]).
+//! 1), the convention's unprefixed `process_*` metrics ([`clusterip_process_metrics`]), and
+//! kube-proxy's own names with kube-proxy's semantics ([`kube_proxy`], `kubeproxy_…`) and
+//! client-go's ([`rest_client`], `rest_client_…`), for what keys on kube-proxy.
 
 #![forbid(unsafe_code)]
+
+pub mod kube_proxy;
+pub mod rest_client;
 
 use std::sync::atomic::AtomicU64;
 
@@ -12,6 +17,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+pub use kube_proxy::{Dataplane, KubeProxyMetrics};
+pub use rest_client::RestClientMetrics;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -31,8 +39,12 @@ pub const COMMIT: &str = env!("CLUSTERIP_BUILD_COMMIT");
 /// All metrics of the agent.
 pub struct Metrics {
     registry: Registry,
-    /// The unprefixed `process_*` metrics.
+    /// The unprefixed `process_*` and `rest_client_*` metrics.
     process: Registry,
+    /// kube-proxy's names (`kubeproxy_…`).
+    kube_proxy_registry: Registry,
+    pub kube_proxy: KubeProxyMetrics,
+    pub rest_client: RestClientMetrics,
     pub sync_duration: Histogram,
     pub sync_full_duration: Histogram,
     pub sync_partial_duration: Histogram,
@@ -73,7 +85,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// The metrics of an nftables agent.
     pub fn new() -> Self {
+        Self::for_dataplane(Dataplane::Nftables)
+    }
+
+    /// The metrics of an agent programming `dataplane` (which of kube-proxy's failure
+    /// counters it has).
+    pub fn for_dataplane(dataplane: Dataplane) -> Self {
         let mut registry = Registry::with_prefix("clusterip_agent");
         let sync_buckets = || exponential_buckets(0.001, 2.0, 15);
         let m = Metrics {
@@ -96,6 +115,9 @@ impl Metrics {
             livez: Family::default(),
             registry: Registry::default(),
             process: Registry::default(),
+            kube_proxy_registry: Registry::default(),
+            kube_proxy: KubeProxyMetrics::new(dataplane),
+            rest_client: RestClientMetrics::default(),
         };
         registry.register("sync_proxy_rules_duration_seconds", "Duration of a sync (full or partial)", m.sync_duration.clone());
         registry.register("sync_full_proxy_rules_duration_seconds", "Duration of a full sync", m.sync_full_duration.clone());
@@ -141,7 +163,10 @@ impl Metrics {
         clusterip_process_metrics::register_build_info(&mut registry, "clusterip-agent", VERSION, COMMIT);
         let mut process = Registry::default();
         clusterip_process_metrics::register(&mut process);
-        Metrics { registry, process, ..m }
+        m.rest_client.register(&mut process);
+        let mut kube_proxy_registry = Registry::with_prefix("kubeproxy");
+        m.kube_proxy.register(&mut kube_proxy_registry);
+        Metrics { registry, process, kube_proxy_registry, ..m }
     }
 
     /// The conntrack flusher's share.
@@ -159,6 +184,7 @@ impl Metrics {
         let mut s = String::new();
         // Writing into a String cannot fail.
         let _ = encode_registry(&mut s, &self.registry);
+        let _ = encode_registry(&mut s, &self.kube_proxy_registry);
         let _ = encode_registry(&mut s, &self.process);
         let _ = encode_eof(&mut s);
         s

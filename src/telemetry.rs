@@ -1,4 +1,4 @@
-//! Logging set-up shared by every binary: the `clusterip-telemetry` crate (`telemetry/`),
-//! which the node agent uses too.
+//! Logging set-up shared by every binary: `clusterip-component-base`'s `logs`
+//! (`component-base/`), which the node agent uses too.
 
-pub use clusterip_telemetry::{init, LogFormat};
+pub use clusterip_component_base::logs::{init, LogFormat};

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use clusterip_telemetry::LogFormat;
+use clusterip_component_base::logs::LogFormat;
 use ipnet::IpNet;
 
 use crate::healthz::ProxyHealth;
@@ -37,6 +37,15 @@ pub enum Mode {
 #[derive(Debug, Parser)]
 #[command(name = "clusterip-agent", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("CLUSTERIP_BUILD_COMMIT"), ")"), about, long_about = None)]
 pub struct Args {
+    /// A configuration file whose fields are these flags, in camelCase (`--min-sync-period` →
+    /// `minSyncPeriod`; a repeatable flag takes a list, a switch true or false), under
+    /// `apiVersion: clusterip.allocator/v1alpha1` and `kind: AgentConfiguration` (as
+    /// kube-proxy's --config reads a KubeProxyConfiguration). A flag given here overrides
+    /// its field; a field overrides an environment variable. Every field is checked at
+    /// start, and each bad one named (docs/agent.md, "Configuration file").
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+
     /// Log format on stderr: text (human-readable lines) or json (one JSON object per line),
     /// as the controller's --log-format. RUST_LOG sets the level (default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CLUSTERIP_LOG_FORMAT")]
@@ -58,14 +67,14 @@ pub struct Args {
 
     /// Minimum time between the end of one sync and the start of the next: changes arriving
     /// meanwhile are coalesced into one sync (e.g. 1s, 200ms).
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1s", value_parser = clusterip_component_base::parse_duration)]
     pub min_sync_period: Duration,
 
     /// Full resync period: everything is re-rendered and diffed against the in-memory mirror
     /// (see --verify-period for comparing with the kernel). Failed syncs are retried with
     /// backoff up to this period. healthz reports unhealthy when a change waits longer than
     /// twice this period.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = clusterip_component_base::parse_duration)]
     pub sync_period: Duration,
 
     /// Address for /healthz (node eligible and rules up to date) and /livez (rules up to
@@ -108,12 +117,12 @@ pub struct Args {
     /// How often a full resync also lists the kernel tables and compares them with what was
     /// programmed, to repair rules changed behind the agent's back (0 disables). Listing costs
     /// seconds at 10k Services, hence its own period.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5m", value_parser = clusterip_component_base::parse_duration)]
     pub verify_period: Duration,
 
     /// Kill a dataplane tool (nft, iptables-restore, iptables-save) still running after this
     /// long; the sync that needed it fails and is retried with backoff.
-    #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2m", value_parser = clusterip_component_base::parse_duration)]
     pub tool_timeout: Duration,
 
     /// At most this many VIP:port pairs per Service: ports × (ClusterIPs + externalIPs +

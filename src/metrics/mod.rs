@@ -23,7 +23,7 @@
 //! | `clusterip_repair_reconcile_errors_total` | counter | |
 //! | `leader_election_master_status` | gauge | name (the leader Lease): 1 while this replica leads and runs the reconcilers, else 0 — Kubernetes' own name, unprefixed, as client-go reports it |
 //! | `clusterip_build_info` | gauge | version, commit: always 1 (the `--version` of the binary) |
-//! | `process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_virtual_memory_bytes`, `process_start_time_seconds`, `process_open_fds`, `process_max_fds` | | the convention's own names, unprefixed ([`clusterip_process_metrics`]) |
+//! | `process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_virtual_memory_bytes`, `process_start_time_seconds`, `process_open_fds`, `process_max_fds` | | the convention's own names, unprefixed ([`clusterip_component_base::metrics`]) |
 //!
 //! Counters with a fixed set of label values (reasons, types, operations, controllers) are
 //! reported at 0 from the start, so that `rate()` and `increase()` — and the alerts of
@@ -231,8 +231,8 @@ impl Metrics {
             "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease. Please make sure to group by name.",
             m.leader_election_master_status.clone(),
         );
-        clusterip_process_metrics::register_build_info(&mut m.registry, "clusterip", VERSION, COMMIT);
-        clusterip_process_metrics::register(&mut m.kubernetes);
+        clusterip_component_base::metrics::register_build_info(&mut m.registry, "clusterip", VERSION, COMMIT);
+        clusterip_component_base::metrics::register(&mut m.kubernetes);
         m.report_known_labels_at_zero();
         m
     }

@@ -1,6 +1,6 @@
 //! Prometheus metrics, named like kube-proxy's (`kubeproxy_sync_proxy_rules_…`) under the
 //! prefix `clusterip_agent_`; besides them `clusterip_agent_build_info{version,commit}` (always
-//! 1), the convention's unprefixed `process_*` metrics ([`clusterip_process_metrics`]), and
+//! 1), the convention's unprefixed `process_*` metrics ([`clusterip_component_base::metrics`]), and
 //! kube-proxy's own names with kube-proxy's semantics ([`kube_proxy`], `kubeproxy_…`) and
 //! client-go's ([`rest_client`], `rest_client_…`), for what keys on kube-proxy.
 
@@ -160,9 +160,9 @@ impl Metrics {
         registry.register("service_ports", "Service ports known", m.service_ports.clone());
         registry.register("proxy_healthz", "/healthz answers by HTTP code", m.healthz.clone());
         registry.register("proxy_livez", "/livez answers by HTTP code", m.livez.clone());
-        clusterip_process_metrics::register_build_info(&mut registry, "clusterip-agent", VERSION, COMMIT);
+        clusterip_component_base::metrics::register_build_info(&mut registry, "clusterip-agent", VERSION, COMMIT);
         let mut process = Registry::default();
-        clusterip_process_metrics::register(&mut process);
+        clusterip_component_base::metrics::register(&mut process);
         m.rest_client.register(&mut process);
         let mut kube_proxy_registry = Registry::with_prefix("kubeproxy");
         m.kube_proxy.register(&mut kube_proxy_registry);

@@ -15,7 +15,7 @@
 //! A value that cannot be read (another OS, a `/proc` without the field) is left out of the
 //! scrape rather than reported as 0.
 
-#![forbid(unsafe_code)]
+
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::EncodeLabelSet;

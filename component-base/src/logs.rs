@@ -1,7 +1,7 @@
 //! Logging set-up shared by the `clusterip` binaries and `clusterip-agent`: text for people,
 //! JSON for collectors. Both take it as `--log-format text|json` (env `CLUSTERIP_LOG_FORMAT`).
 
-#![forbid(unsafe_code)]
+
 
 use tracing_subscriber::{fmt, EnvFilter};
 

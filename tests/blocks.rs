@@ -361,3 +361,34 @@ async fn replicas_with_different_block_sizes_never_share_an_address() {
     assert!(!picked.contains(&x), "B answered {x}, which A had answered and the apiserver stored: {picked:?}");
     assert_eq!(picked.iter().collect::<BTreeSet<_>>().len(), 13, "B answers every other address once: {picked:?}");
 }
+
+/// The consistent list a replica makes after taking a block reads every IPAddress, page by
+/// page (metadata only, one continue token): with a page of 10, 25 objects of this test come
+/// back whole among the cluster's others (a list that stopped at its first page, or that
+/// restarted without the token, would miss or repeat some).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ipaddress_list_after_taking_a_block_reads_every_page() {
+    use clusterip::store::ipaddress::blocks::client::{BlockApi, KubeBlockApi};
+    let cp = control_plane();
+    let fx = Fixture::new(&cp, "198.19.0.240/28").await;
+    let addresses: Api<IPAddress> = Api::all(fx.client.clone());
+    // 198.18.237.0/27: no test's Service range; the objects name a Gateway of the test's.
+    let ours: Vec<IpAddr> = (1..=25).map(|i| IpAddr::from([198, 18, 237, i])).collect();
+    for ip in &ours {
+        let obj: IPAddress = serde_json::from_value(json!({"metadata": {"name": ip.to_string(), "labels": {"ipaddress.kubernetes.io/managed-by": "clusterip.allocator"}},
+            "spec": {"parentRef": {"group": "gateway.networking.k8s.io", "resource": "gateways", "namespace": fx.ns, "name": "gw"}}})).expect("IPAddress");
+        let _ = addresses.delete(&ip.to_string(), &DeleteParams::default()).await;
+        eventually_some("the test's IPAddress is created", Duration::from_secs(30), Duration::from_millis(100), || {
+            let (addresses, obj) = (addresses.clone(), obj.clone());
+            async move { addresses.create(&PostParams::default(), &obj).await.ok().map(drop) }
+        })
+        .await;
+    }
+    let paged = KubeBlockApi::new(fx.client.clone(), &fx.ns).with_address_page(10).list_addresses().await.expect("the paged list");
+    let unique: BTreeSet<IpAddr> = paged.iter().copied().collect();
+    assert_eq!(unique.len(), paged.len(), "an address listed twice across pages");
+    assert!(ours.iter().all(|ip| unique.contains(ip)), "missing from the paged list: {:?}", ours.iter().filter(|ip| !unique.contains(ip)).collect::<Vec<_>>());
+    for ip in &ours {
+        let _ = addresses.delete(&ip.to_string(), &DeleteParams::default()).await;
+    }
+}

@@ -78,11 +78,20 @@ pub trait BlockApi: Send + Sync {
 pub struct KubeBlockApi {
     pub leases: Api<Lease>,
     addresses: Api<IPAddress>,
+    /// IPAddresses per page of [`Self::list_addresses`]: [`ADDRESS_PAGE`].
+    address_page: u32,
 }
 
 impl KubeBlockApi {
     pub fn new(client: kube::Client, namespace: &str) -> Self {
-        KubeBlockApi { leases: Api::namespaced(client.clone(), namespace), addresses: Api::all(client) }
+        KubeBlockApi { leases: Api::namespaced(client.clone(), namespace), addresses: Api::all(client), address_page: ADDRESS_PAGE }
+    }
+
+    /// The same with another page size of the IPAddress list (tests: many pages from few
+    /// objects).
+    pub fn with_address_page(mut self, page: u32) -> Self {
+        self.address_page = page.max(1);
+        self
     }
 }
 
@@ -181,7 +190,7 @@ impl BlockApi for KubeBlockApi {
     /// continue token), never every object whole in one answer.
     async fn list_addresses(&self) -> Result<Vec<IpAddr>, CallError> {
         let mut out = Vec::new();
-        let mut params = ListParams::default().limit(ADDRESS_PAGE);
+        let mut params = ListParams::default().limit(self.address_page);
         loop {
             let page = self.addresses.list_metadata(&params).await.map_err(CallError::from_kube)?;
             out.extend(page.items.iter().filter_map(|o| crate::k8s::ipaddress::address(o.metadata.name.as_deref()?)));

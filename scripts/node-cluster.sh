@@ -87,6 +87,11 @@ PROXY=${CLUSTERIP_NODE_PROXY:-clusterip-agent}
 # network are the node's own) and the controller keeps its records there, under its own prefix.
 BACKEND=${CLUSTERIP_NODE_BACKEND:-ipaddress}
 case "$BACKEND" in ipaddress|etcd) ;; *) echo "node-cluster: CLUSTERIP_NODE_BACKEND is ipaddress or etcd, not '$BACKEND'" >&2; exit 2 ;; esac
+# Where deploy runs the agent: every node (all), or only nodes labelled
+# clusterip.allocator/service-proxy=clusterip-agent (labelled: a migration from kube-proxy
+# node by node, docs/migration.md; none is labelled at deploy).
+AGENT_ON=${CLUSTERIP_NODE_AGENT_ON:-all}
+case "$AGENT_ON" in all|labelled) ;; *) echo "node-cluster: CLUSTERIP_NODE_AGENT_ON is all or labelled, not '$AGENT_ON'" >&2; exit 2 ;; esac
 MEMORY_LIMIT=${CLUSTERIP_NODE_MEMORY:-6G}
 WORKER_MEMORY_LIMIT=${CLUSTERIP_NODE_WORKER_MEMORY:-4G}
 registry="${TMPDIR:-/tmp}/clusterip-nodes"
@@ -572,6 +577,18 @@ deploy_backend_patch() {
 EOF
 }
 
+# CLUSTERIP_NODE_AGENT_ON=labelled: the agent's DaemonSet only on labelled nodes.
+deploy_agent_patch() {
+  [ "$AGENT_ON" = labelled ] || return 0
+  cat <<EOF
+  - target: {kind: DaemonSet, name: clusterip-agent}
+    patch: |
+      - op: add
+        path: /spec/template/spec/nodeSelector/clusterip.allocator~1service-proxy
+        value: clusterip-agent
+EOF
+}
+
 cmd_deploy() {
   init_pid >/dev/null || die "no node running in $state ('$0 up' first)"
   if [ "$BACKEND" = etcd ]; then
@@ -598,6 +615,7 @@ patches:
       # (No --address-block-size: the default cuts the /25 into 8-address blocks, and a
       # replica whose blocks are used up is handed one over: docs/backends.md.)
 $(deploy_backend_patch)
+$(deploy_agent_patch)
   - target: {kind: NetworkPolicy, name: clusterip-controller}
     patch: |
       - op: replace
@@ -623,12 +641,16 @@ EOF
   kc apply -k "$overlay" -l 'app.kubernetes.io/component!=admission-registration' >&2
   log "waiting for the agent DaemonSet and the controller Deployment"
   kc -n kube-system rollout status daemonset/clusterip-agent --timeout=180s >&2
-  # (rollout status counts the pods the DaemonSet wants; with a worker that must be one a node.)
-  local nodes ready
-  nodes=$(kc get nodes -o name | wc -l)
-  ready=$(kc -n kube-system get daemonset clusterip-agent -o jsonpath='{.status.numberReady}')
-  [ "$ready" = "$nodes" ] || die "clusterip-agent Ready on $ready node(s) of $nodes"
-  log "clusterip-agent Ready on $ready of $nodes node(s)"
+  if [ "$AGENT_ON" = labelled ]; then
+    log "clusterip-agent runs on nodes labelled clusterip.allocator/service-proxy=clusterip-agent only"
+  else
+    # (rollout status counts the pods the DaemonSet wants; with a worker that must be one a node.)
+    local nodes ready
+    nodes=$(kc get nodes -o name | wc -l)
+    ready=$(kc -n kube-system get daemonset clusterip-agent -o jsonpath='{.status.numberReady}')
+    [ "$ready" = "$nodes" ] || die "clusterip-agent Ready on $ready node(s) of $nodes"
+    log "clusterip-agent Ready on $ready of $nodes node(s)"
+  fi
   kc -n clusterip-system rollout status deployment/clusterip-controller --timeout=240s >&2
   kc apply -k "$overlay" >&2
   "${certs[@]}" 2>>"$state/logs/gen-webhook-certs.log" || { cat "$state/logs/gen-webhook-certs.log" >&2; die "scripts/gen-webhook-certs.sh --apply failed"; }

@@ -1,10 +1,12 @@
 //! CustomResourceDefinitions the project ships (`clusterip crds`, `crds/crds.yaml`).
 //!
 //! clusterip records allocations as `networking.k8s.io/v1` IPAddress objects and reads
-//! ServiceCIDRs. Kubernetes serves both natively since 1.33; for an older cluster these
-//! CRDs provide the same group, version, kind and fields (spec.parentRef, spec.cidrs,
-//! status.conditions) so the IPAddress backend and `kubectl get ipaddresses` work there.
-//! Do not install them on a cluster that serves networking.k8s.io/v1 itself.
+//! ServiceCIDRs. Kubernetes serves both natively since 1.33, which clusterip requires. These
+//! CRDs describe the same group, version, kind and fields (spec.parentRef, spec.cidrs,
+//! status.conditions); they are checked only against a current apiserver's dry run
+//! (tests/crds.rs), never on an older cluster, so nothing is claimed for one
+//! (docs/migration.md, "Which Kubernetes"). Do not install them on a cluster that serves
+//! networking.k8s.io/v1 itself.
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResource;

@@ -13,7 +13,10 @@
 #                                     `kubectl apply -k` of deploy/ (through a thin overlay
 #                                     with this node's ranges), wait for the agent and both
 #                                     controller replicas (CLUSTERIP_NODE_BACKEND=etcd, at up
-#                                     and deploy: the etcd backend, on the node's etcd)
+#                                     and deploy: the etcd backend, on the node's etcd;
+#                                     CLUSTERIP_NODE_AGENT_ON=labelled: the agent only on nodes
+#                                     labelled clusterip.allocator/service-proxy=clusterip-agent,
+#                                     for scripts/test-migration.sh)
 #   scripts/node-cluster.sh down      stop the node and remove all of it
 #   scripts/node-cluster.sh status    say what runs; exit 0 when the node (and the worker,
 #                                     if there is one) is up and Ready

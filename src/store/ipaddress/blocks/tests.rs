@@ -44,8 +44,8 @@ fn is_full<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
     matches!(r, Err(StoreError::Alloc(AllocError::Full)))
 }
 
-/// Everything a replica can still pick, until it reports the range full.
-async fn drain(r: &BlockStore, who: &str) -> Vec<IpAddr> {
+/// Everything a replica can still pick, until it reports the range full (at most `most`).
+async fn drain_all(r: &BlockStore, who: &str, most: usize) -> Vec<IpAddr> {
     let mut got = Vec::new();
     loop {
         match r.allocate_next(Family::IPv4, Some(&parent(who))).await {
@@ -53,8 +53,13 @@ async fn drain(r: &BlockStore, who: &str) -> Vec<IpAddr> {
             Err(StoreError::Alloc(AllocError::Full)) => return got,
             Err(e) => panic!("picking: {e}"),
         }
-        assert!(got.len() <= 14, "more picks than addresses: {got:?}");
+        assert!(got.len() <= most, "more picks than addresses: {got:?}");
     }
+}
+
+/// Everything a replica can still pick from the /28 of [`range`].
+async fn drain(r: &BlockStore, who: &str) -> Vec<IpAddr> {
+    drain_all(r, who, 14).await
 }
 
 fn addresses_of(name: &str, size: u64) -> Vec<IpAddr> {
@@ -265,19 +270,6 @@ async fn a_holder_that_missed_its_renewals_stops_before_a_takeover_and_drops_the
     assert_eq!(t.lost, vec![block_name(&range(), 0)], "A did not notice the takeover: {t:?}");
     assert!(a.held_blocks().is_empty());
     assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("after"))).await));
-}
-
-/// Every address a replica can still pick from any of its ranges, until it reports full.
-async fn drain_all(r: &BlockStore, who: &str, most: usize) -> Vec<IpAddr> {
-    let mut got = Vec::new();
-    loop {
-        match r.allocate_next(Family::IPv4, Some(&parent(who))).await {
-            Ok(ip) => got.push(ip),
-            Err(StoreError::Alloc(AllocError::Full)) => return got,
-            Err(e) => panic!("picking: {e}"),
-        }
-        assert!(got.len() <= most, "more picks than addresses: {got:?}");
-    }
 }
 
 fn cidr(text: &str) -> ServiceCidr {

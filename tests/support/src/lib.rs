@@ -17,11 +17,12 @@
 //!
 //! The one home of what the test binaries (controller and agent) and the benches share:
 //! waiting ([`poll`]), addresses and a plain HTTP GET ([`net`]), a hostile tenant's
-//! connections ([`attack`]), fuzz corpus replay
+//! connections ([`attack`]), a network path that breaks on demand ([`faulty`]), fuzz corpus replay
 //! ([`fuzz`]), network namespaces and their setup commands ([`netns`]), and child-process
 //! guards ([`die_with_parent`]).
 
 pub mod attack;
+pub mod faulty;
 pub mod fuzz;
 pub mod net;
 pub mod netns;

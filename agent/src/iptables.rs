@@ -219,6 +219,22 @@ pub fn render_port(d: &DesiredPort, family: IpFamily, masquerade_all: bool, clus
 /// Prefixes of the chains kube-proxy's layout makes per Service port and endpoint.
 const SERVICE_CHAIN_PREFIXES: [&str; 6] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-SEP-", "KUBE-FW-", "KUBE-XLB-"];
 
+/// The chains `--cleanup` deletes from `table`: the agent's own, and kube-proxy's iptables
+/// mode's (the same layout, plus the chains only kube-proxy makes: KUBE-FORWARD,
+/// KUBE-PROXY-FIREWALL, KUBE-PROXY-CANARY) — as `kube-proxy --cleanup` does. Never another
+/// component's KUBE- chain: the kubelet's KUBE-KUBELET-CANARY, KUBE-FIREWALL, KUBE-MARK-DROP
+/// stay (deleting them makes the kubelet believe its rules were flushed; one still jumped to
+/// cannot be deleted, and would fail the whole clean-up).
+fn ours_to_clean(table: &str, chain: &str) -> bool {
+    const PROXY_NAT: [&str; 5] = ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-PROXY-CANARY"];
+    const PROXY_FILTER: [&str; 6] = ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL", "KUBE-PROXY-CANARY"];
+    match table {
+        "nat" => PROXY_NAT.contains(&chain) || SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p)),
+        "filter" => PROXY_FILTER.contains(&chain),
+        _ => false,
+    }
+}
+
 /// The per-Service chains declared in an `iptables-save` output.
 fn service_chains(save: &str) -> BTreeSet<String> {
     save.lines()
@@ -471,30 +487,35 @@ impl Proxier for IptablesProxier {
 
     fn cleanup(&mut self) -> Result<(), DataplaneError> {
         for fam in IpFamily::ALL {
-            let (ipt, save, restore) = Self::tools(fam);
+            let (_, save, restore) = Self::tools(fam);
             // Read-only look first: touching iptables where the agent never ran would create
             // the (empty) tables.
             let mut touched = false;
             for table in ["nat", "filter"] {
                 let Ok(out) = self.exec.run(save, &["-t", table], None) else { continue };
-                if !out.contains(":KUBE-") {
-                    continue;
-                }
-                touched = true;
-                for (t, chain, rule) in JUMPS.iter().filter(|j| j.0 == table) {
-                    let mut args = vec!["-w", "-t", t, "-D", chain];
-                    args.extend(rule.split(' '));
-                    while self.exec.run(ipt, &args, None).is_ok() {}
-                }
                 let chains: Vec<&str> = out
                     .lines()
                     .filter_map(|l| l.strip_prefix(':'))
                     .filter_map(|l| l.split_whitespace().next())
-                    .filter(|c| c.starts_with("KUBE-"))
+                    .filter(|c| ours_to_clean(table, c))
                     .collect();
+                if chains.is_empty() {
+                    continue;
+                }
+                touched = true;
+                // One transaction: every rule of another chain that jumps to one of ours
+                // deleted (ours in PREROUTING, OUTPUT, …, and kube-proxy's), ours flushed
+                // and deleted.
                 let mut input = format!("*{table}\n");
                 for c in &chains {
                     let _ = writeln!(input, ":{c} - [0:0]");
+                }
+                for rule in out.lines().filter_map(|l| l.strip_prefix("-A ")) {
+                    let from = rule.split_whitespace().next().unwrap_or_default();
+                    let to = rule.split_whitespace().skip_while(|w| *w != "-j" && *w != "-g").nth(1).unwrap_or_default();
+                    if !chains.contains(&from) && chains.contains(&to) {
+                        let _ = writeln!(input, "-D {rule}");
+                    }
                 }
                 for c in &chains {
                     let _ = writeln!(input, "-X {c}");

@@ -61,14 +61,27 @@ fn iptables_mode_spreads_rejects_follows_changes_and_cleans_up() {
     agent.assert_no_sync_failures();
     agent.stop();
 
+    // Other components' KUBE- chains stay: the kubelet's canaries and its KUBE-FIREWALL (still
+    // jumped to from INPUT); a jump of kube-proxy's own to KUBE-SERVICES goes with the chain.
+    for cmd in [
+        &["iptables", "-t", "nat", "-N", "KUBE-KUBELET-CANARY"][..],
+        &["iptables", "-t", "filter", "-N", "KUBE-KUBELET-CANARY"],
+        &["iptables", "-t", "filter", "-N", "KUBE-FIREWALL"],
+        &["iptables", "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL"],
+        &["iptables", "-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"],
+    ] {
+        ns_sh(&ns, cmd);
+    }
     let out = command(env!("CARGO_BIN_EXE_clusterip-agent"))
         .args(["--cleanup", "--netns", &ns])
         .output()
         .expect("run --cleanup");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    for t in ["nat", "filter"] {
-        let save = ns_sh(&ns, &["iptables-save", "-t", t]);
-        assert!(!save.contains("KUBE-"), "{save}");
-        assert!(!save.lines().any(|l| l.starts_with("-A ")), "no rules left:\n{save}");
-    }
+    let nat = ns_sh(&ns, &["iptables-save", "-t", "nat"]);
+    let kube: Vec<&str> = nat.lines().filter(|l| l.contains("KUBE-")).collect();
+    assert_eq!(kube, [":KUBE-KUBELET-CANARY - [0:0]"], "{nat}");
+    assert!(!nat.lines().any(|l| l.starts_with("-A ")), "no nat rule left:\n{nat}");
+    let filter = ns_sh(&ns, &["iptables-save", "-t", "filter"]);
+    let kube: Vec<&str> = filter.lines().filter(|l| l.contains("KUBE-")).collect();
+    assert_eq!(kube, [":KUBE-FIREWALL - [0:0]", ":KUBE-KUBELET-CANARY - [0:0]", "-A INPUT -j KUBE-FIREWALL"], "{filter}");
 }

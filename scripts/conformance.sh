@@ -28,7 +28,11 @@
 #                      Service tests need two and skip themselves on one; 3 adds
 #                      clusterip-node-3, CLUSTERIP_NODE_WORKERS=2, for the one test that
 #                      needs three: "should implement NodePort and HealthCheckNodePort
-#                      correctly when ExternalTrafficPolicy changes")
+#                      correctly when ExternalTrafficPolicy changes"; its figures in
+#                      docs/conformance.md "Results (three nodes)" come from
+#                      scripts/conformance.sh --proxy kube-proxy|clusterip --nodes 3 --focus
+#                      "should implement NodePort and HealthCheckNodePort correctly when
+#                      ExternalTrafficPolicy changes" --timeout 20)
 #   --procs N          ginkgo processes running specs at once (default 3; the specs mostly
 #                      wait on pods, so more than the 2 cores help)
 #

@@ -18,8 +18,8 @@
 #                                     labelled clusterip.allocator/service-proxy=clusterip-agent,
 #                                     for scripts/test-migration.sh)
 #   scripts/node-cluster.sh down      stop the node and remove all of it
-#   scripts/node-cluster.sh status    say what runs; exit 0 when the node (and the worker,
-#                                     if there is one) is up and Ready
+#   scripts/node-cluster.sh status    say what runs; exit 0 when the node (and the workers,
+#                                     if there are any) is up and Ready
 #   scripts/node-cluster.sh reap      remove nodes whose owner is gone, and namespaces and
 #                                     cgroups of nodes whose directory is gone
 #   scripts/node-cluster.sh kubectl …   kubectl against the node (from inside its network)
@@ -35,15 +35,21 @@
 #                                     suite's images: scripts/lib/build-e2e-images.sh --load),
 #                                     into every node's containerd
 #
-# CLUSTERIP_NODE_WORKERS=1 (at up; default 0) adds a worker node, clusterip-node-2: a network,
-# mount and pid namespace, containerd and kubelet (and kube-proxy with the switch) of its own,
-# state in <state>/node-2, on the same link; the first node keeps the control plane.
+# CLUSTERIP_NODE_WORKERS=1 (at up; default 0) adds a worker node, clusterip-node-2; =2 adds
+# two, clusterip-node-2 and clusterip-node-3 (three schedulable nodes: what Kubernetes' e2e
+# "should implement NodePort and HealthCheckNodePort correctly when ExternalTrafficPolicy
+# changes" needs). Each worker has a network, mount and pid namespace, containerd and kubelet
+# (and kube-proxy with the switch) of its own, state in <state>/node-<n>, on the same link;
+# the first node keeps the control plane.
+#
+#   CLUSTERIP_NODE_WORKERS=2 scripts/node-cluster.sh up    three nodes, each Ready
 #
 # Addresses (198.18.240.0/22, used by no test): the nodes' link 198.18.240.0/24 (a bridge in
-# the outside namespace: outside .1, node .2, worker .3), pods 198.18.241.0/24 (CNI ptp +
-# host-local; with a worker each node has half: node .0/25, worker .128/25, each routed to
-# the other over the link), Services 198.18.242.0/24 (the kube-apiserver's range) of which
-# clusterip hands out 198.18.242.128/25.
+# the outside namespace: outside .1, node .2, workers .3 and .4), pods 198.18.241.0/24 (CNI
+# ptp + host-local; with workers it is cut in equal parts, one a node in order: two nodes
+# .0/25 and .128/25, three nodes .0/26, .64/26 and .128/26; every node routes every other
+# node's part to that node over the link), Services 198.18.242.0/24 (the kube-apiserver's
+# range) of which clusterip hands out 198.18.242.128/25.
 #
 # Owners (scripts/lib/owners.sh): with CLUSTERIP_OWNER_PID=<pid> the node is owned by that
 # process (<state>/owner) and `reap` (this one, and every `up`) removes it once the owner is
@@ -64,20 +70,26 @@ NODE_NAME=clusterip-node
 NODE_IP=198.18.240.2
 EXT_IP=198.18.240.1
 POD_CIDR=198.18.241.0/24
-# A worker (CLUSTERIP_NODE_WORKERS=1): clusterip-node-2 at .3 of the link, and the pod network
-# cut in two /25s, one per node (as kube-controller-manager's node CIDR allocator cuts a
-# --cluster-cidr): every cluster-wide setting that names the pod network (kube-proxy's
+# Workers (CLUSTERIP_NODE_WORKERS=1|2): node n (1 the first, 2 and 3 the workers) is
+# clusterip-node-<n> at .<n+1> of the link, and the pod network is cut in equal parts, one a
+# node (as kube-controller-manager's node CIDR allocator cuts a --cluster-cidr): /25s for two
+# nodes, /26s for three. Every cluster-wide setting that names the pod network (kube-proxy's
 # clusterCIDR, the NetworkPolicy's except) stays POD_CIDR, and neither the link nor the
-# Service range is inside it. 126 addresses a node, for maxPods 60.
+# Service range is inside it. 126 addresses a node with two, 62 with three, for maxPods 60.
 WORKERS=${CLUSTERIP_NODE_WORKERS:-0}
-case "$WORKERS" in 0|1) ;; *) echo "node-cluster: CLUSTERIP_NODE_WORKERS is 0 or 1, not '$WORKERS'" >&2; exit 2 ;; esac
-WORKER_NAME=clusterip-node-2
-WORKER_IP=198.18.240.3
-if [ "$WORKERS" = 1 ]; then
-  NODE_POD_RANGE=198.18.241.0/25 WORKER_POD_RANGE=198.18.241.128/25
-else
-  NODE_POD_RANGE=$POD_CIDR WORKER_POD_RANGE=
-fi
+MAX_WORKERS=2
+case "$WORKERS" in 0|1|2) ;; *) echo "node-cluster: CLUSTERIP_NODE_WORKERS is 0, 1 or 2, not '$WORKERS'" >&2; exit 2 ;; esac
+NODES=$((WORKERS + 1))
+node_name() { if [ "$1" = 1 ]; then echo "$NODE_NAME"; else echo "clusterip-node-$1"; fi; }
+node_ip() { echo "198.18.240.$(($1 + 1))"; }
+# Node n's part of POD_CIDR: the /24 for one node, a /25 each for two, a /26 each for three.
+node_pod_range() {
+  local bits=24 size
+  case "$NODES" in 2) bits=25 ;; 3) bits=26 ;; esac
+  size=$((1 << (32 - bits)))
+  echo "198.18.241.$(( ($1 - 1) * size ))/$bits"
+}
+NODE_POD_RANGE=$(node_pod_range 1)
 SERVICE_CIDR=198.18.242.0/24
 CLUSTERIP_CIDR=198.18.242.128/25
 APISERVER_VIP=198.18.242.1
@@ -104,19 +116,25 @@ log() { echo "node-cluster: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 # Names of this state dir's nodes: network namespaces and cgroups, from a hash of the path.
-# The worker's files are in <state>/node-2 (wstate): whether it exists says whether there is a
-# worker, for every command after up. Its namespace is cipnode2-<id>, not cipnode-<id>-…:
-# a reap of the one-node scripts takes any cipnode-<x>[-ext] for the node of id <x>, and
-# would remove a live worker's namespace as a node's whose directory is gone.
+# Worker n's files are in <state>/node-<n> (node_dir n): whether it exists says whether there
+# is that worker, for every command after up. Its namespace is cipnode<n>-<id>, not
+# cipnode-<id>-…: a reap of the one-node scripts takes any cipnode-<x>[-ext] for the node of
+# id <x>, and would remove a live worker's namespace as a node's whose directory is gone.
 node_id() { printf '%s' "$1" | sha256sum | cut -c1-8; }
 set_names() { # state [id]
   state=$1 id=${2:-$(node_id "$1")}
   NETNS=cipnode-$id
-  WNETNS=cipnode2-$id
   EXTNS=cipnode-$id-ext
-  wstate=$state/node-2
 }
 set_names "$state"
+node_dir() { if [ "$1" = 1 ]; then echo "$state"; else echo "$state/node-$1"; fi; }
+node_netns() { if [ "$1" = 1 ]; then echo "$NETNS"; else echo "cipnode$1-$id"; fi; }
+# The workers this state dir has (their directories), in order: 2, 3.
+present_workers() {
+  local n
+  for ((n = 2; n <= MAX_WORKERS + 1; n++)); do [ -d "$(node_dir "$n")" ] && echo $n; done
+  return 0
+}
 
 in_node() { ip netns exec "$NETNS" "$@"; }
 kubectl_bin() { eval "$("$builder" print-dirs)"; echo "$K8S_BIN/kubectl"; }
@@ -128,7 +146,7 @@ init_pid() {
   local dir=${1:-$state} u c
   u=$(cat "$dir/unshare.pid" 2>/dev/null) || return 1
   [[ $u =~ ^[0-9]+$ ]] && pid_alive "$u" || return 1
-  # (The trailing space: the worker's dir begins with the first node's.)
+  # (The trailing space: a worker's dir begins with the first node's.)
   { tr '\0' ' ' < "/proc/$u/cmdline"; } 2>/dev/null | grep -qF -- "node-init.sh $dir " || return 1
   c=$(cat "/proc/$u/task/$u/children" 2>/dev/null | awk '{print $1}')
   [ -n "$c" ] && echo "$c"
@@ -136,8 +154,8 @@ init_pid() {
 
 # ---------------------------------------------------------------- cgroups
 # The node's cgroup: <the memory cgroup this shell is in>/clusterip-node-<id>, the same path
-# in every v1 hierarchy (kubelet's cgroupRoot names one path for all); the worker's beside it,
-# clusterip-node-<id>-2, with a limit of its own. Which directories this made is recorded in
+# in every v1 hierarchy (kubelet's cgroupRoot names one path for all); each worker's beside it,
+# clusterip-node-<id>-<n>, with a limit of its own. Which directories this made is recorded in
 # <node dir>/cgroup-dirs, so `down` removes those and nothing else.
 CGROUP_ROOT=/sys/fs/cgroup
 cgroup_hierarchies() {
@@ -207,13 +225,15 @@ gen_pki() {
     sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "extendedKeyUsage = clientAuth\n"
     sign kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" "extendedKeyUsage = clientAuth\n"
     sign kubelet-serving "/CN=$NODE_NAME" "subjectAltName = DNS:$NODE_NAME, IP:$NODE_IP\nextendedKeyUsage = serverAuth\n"
-    # The worker's kubelet: its own identity in system:nodes (the Node authorizer and
+    # Each worker's kubelet: its own identity in system:nodes (the Node authorizer and
     # NodeRestriction let it touch its own Node and pods only) and a serving certificate
     # for its own address (the kube-apiserver connects to it for logs and exec).
-    if [ "$WORKERS" = 1 ]; then
-      sign kubelet-2 "/O=system:nodes/CN=system:node:$WORKER_NAME" "extendedKeyUsage = clientAuth\n"
-      sign kubelet-2-serving "/CN=$WORKER_NAME" "subjectAltName = DNS:$WORKER_NAME, IP:$WORKER_IP\nextendedKeyUsage = serverAuth\n"
-    fi
+    local n name ip
+    for ((n = 2; n <= NODES; n++)); do
+      name=$(node_name "$n") ip=$(node_ip "$n")
+      sign "kubelet-$n" "/O=system:nodes/CN=system:node:$name" "extendedKeyUsage = clientAuth\n"
+      sign kubelet-$n-serving "/CN=$name" "subjectAltName = DNS:$name, IP:$ip\nextendedKeyUsage = serverAuth\n"
+    done
     sign kube-controller-manager /CN=system:kube-controller-manager "extendedKeyUsage = clientAuth\n"
     sign kube-scheduler /CN=system:kube-scheduler "extendedKeyUsage = clientAuth\n"
     openssl genrsa -out sa.key 2048 2>/dev/null
@@ -246,8 +266,8 @@ write_configs() {
   local u
   for u in admin kubelet kube-controller-manager kube-scheduler; do kubeconfig "$state/$u.kubeconfig" "$u"; done
 }
-# One node's files, in its dir (the state dir for the first node, <state>/node-2 for the
-# worker), read by scripts/lib/node-init.sh there.
+# One node's files, in its dir (the state dir for the first node, <state>/node-<n> for
+# worker n), read by scripts/lib/node-init.sh there.
 write_node_configs() { # dir role name ip pod-range cgroup kubelet-cert logs
   local dir=$1 role=$2 name=$3 ip=$4 pod_range=$5 cg=$6 cert=$7 logs=$8
   eval "$("$builder" print-dirs)"
@@ -373,14 +393,19 @@ make_netns() {
   done
   ip -n "$EXTNS" addr add "$EXT_IP/24" dev lan0
   ip -n "$EXTNS" link set lan0 up
-  attach_node "$NETNS" "$NODE_IP" "n$id" node1
-  if [ "$WORKERS" = 1 ]; then
-    attach_node "$WNETNS" "$WORKER_IP" "w$id" node2
-    # Each node's half of the pod network through the other node (kubelet's ptp routes
-    # only its own pods): pod to pod across nodes without encapsulation, as a flat L2 does.
-    ip -n "$NETNS" route add "$WORKER_POD_RANGE" via "$WORKER_IP"
-    ip -n "$WNETNS" route add "$NODE_POD_RANGE" via "$NODE_IP"
-  fi
+  # (The veth's name in the node's namespace until it is renamed eth0: n<id>, w<id>, w3<id>.)
+  local n m veth
+  for ((n = 1; n <= NODES; n++)); do
+    case $n in 1) veth=n$id ;; 2) veth=w$id ;; *) veth=w$n$id ;; esac
+    attach_node "$(node_netns "$n")" "$(node_ip "$n")" "$veth" "node$n"
+  done
+  # Each node's part of the pod network through that node (kubelet's ptp routes only its
+  # own pods): pod to pod across nodes without encapsulation, as a flat L2 does.
+  for ((n = 1; n <= NODES; n++)); do
+    for ((m = 1; m <= NODES; m++)); do
+      [ $m = $n ] || ip -n "$(node_netns "$n")" route add "$(node_pod_range "$m")" via "$(node_ip "$m")"
+    done
+  done
 }
 attach_node() { # netns address veth-name port-name (in the outside namespace)
   local ns=$1 addr=$2 veth=$3 port=$4
@@ -397,7 +422,10 @@ attach_node() { # netns address veth-name port-name (in the outside namespace)
 }
 remove_netns() {
   local ns p rc=0 deadline
-  for ns in "$WNETNS" "$NETNS" "$EXTNS"; do
+  local n nss=()
+  # (Every worker namespace this id can have, whatever CLUSTERIP_NODE_WORKERS says now.)
+  for ((n = MAX_WORKERS + 1; n >= 2; n--)); do nss+=("$(node_netns "$n")"); done
+  for ns in "${nss[@]}" "$NETNS" "$EXTNS"; do
     [ -e "/run/netns/$ns" ] || continue
     for p in $(ip netns pids "$ns" 2>/dev/null); do
       log "netns $ns: killing $(proc_desc "$p")"; kill -KILL "$p" 2>/dev/null || true
@@ -436,10 +464,7 @@ cmd_up() {
   if [ -n "${CLUSTERIP_OWNER_PID:-}" ]; then
     owner=$(owner_of "$CLUSTERIP_OWNER_PID") || die "CLUSTERIP_OWNER_PID=$CLUSTERIP_OWNER_PID: no such process"
   fi
-  if init_pid >/dev/null && node_ready "$NODE_NAME" &&
-     if [ "$WORKERS" = 1 ]; then init_pid "$wstate" >/dev/null && node_ready "$WORKER_NAME"; else [ ! -d "$wstate" ]; fi; then
-    log "already up"; return 0
-  fi
+  if all_up; then log "already up"; return 0; fi
   cmd_down quiet
   local started=$SECONDS
   "$builder" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl containerd cni-plugins
@@ -457,37 +482,40 @@ cmd_up() {
   [ -z "$owner" ] || echo "$owner" > "$state/owner"
   register
   trap 'rc=$?; if [ $rc -ne 0 ]; then log "start failed; removing the node (logs were in $state/logs)"; cp -r "$state/logs" "${TMPDIR:-/tmp}/cipnode-failed-logs" 2>/dev/null || true; cmd_down quiet; fi' EXIT
-  local cg wcg=; cg=$(node_cgroup)
+  local cg n dir
+  cg=$(node_cgroup)
   echo "$cg" > "$state/cgroup"
   mkdir -p "$state/logs"
   gen_pki
   write_configs
   write_node_configs "$state" control-plane "$NODE_NAME" "$NODE_IP" "$NODE_POD_RANGE" "$cg" kubelet "$state/logs"
-  if [ "$WORKERS" = 1 ]; then
-    wcg=$(node_cgroup -2)
-    write_node_configs "$wstate" worker "$WORKER_NAME" "$WORKER_IP" "$WORKER_POD_RANGE" "$wcg" kubelet-2 "$state/logs/node-2"
-    echo "$wcg" > "$wstate/cgroup"
-  fi
+  for ((n = 2; n <= NODES; n++)); do
+    dir=$(node_dir "$n")
+    write_node_configs "$dir" worker "$(node_name "$n")" "$(node_ip "$n")" "$(node_pod_range "$n")" \
+      "$(node_cgroup "-$n")" "kubelet-$n" "$state/logs/node-$n"
+    node_cgroup "-$n" > "$dir/cgroup"
+  done
   make_netns
   make_cgroups "$cg" "$MEMORY_LIMIT" "$state"
   log "starting the node ($NETNS; cgroup $cg; memory limit $MEMORY_LIMIT)"
   start_init "$state" "$cg" "$NETNS"
-  if [ "$WORKERS" = 1 ]; then
-    make_cgroups "$wcg" "$WORKER_MEMORY_LIMIT" "$wstate"
-    log "starting the worker node $WORKER_NAME ($WNETNS; cgroup $wcg; memory limit $WORKER_MEMORY_LIMIT)"
-    start_init "$wstate" "$wcg" "$WNETNS"
-  fi
-  wait_init "$state"
-  [ "$WORKERS" = 0 ] || wait_init "$wstate"
-  local name names=("$NODE_NAME")
-  [ "$WORKERS" = 0 ] || names+=("$WORKER_NAME")
+  for ((n = 2; n <= NODES; n++)); do
+    dir=$(node_dir "$n") cg=$(node_cgroup "-$n")
+    make_cgroups "$cg" "$WORKER_MEMORY_LIMIT" "$dir"
+    log "starting the worker node $(node_name "$n") ($(node_netns "$n"); cgroup $cg; memory limit $WORKER_MEMORY_LIMIT)"
+    start_init "$dir" "$cg" "$(node_netns "$n")"
+  done
+  for ((n = 1; n <= NODES; n++)); do wait_init "$(node_dir "$n")"; done
+  local names=()
+  for ((n = 1; n <= NODES; n++)); do names+=("$(node_name "$n")"); done
   log "waiting for node(s) ${names[*]} to be Ready"
-  local deadline=$((SECONDS + 180))
-  for name in "${names[@]}"; do
-    until node_ready "$name"; do
-      init_pid >/dev/null || die "the node's init exited (logs: $state/logs)"
-      [ "$WORKERS" = 0 ] || init_pid "$wstate" >/dev/null || die "the worker's init exited (logs: $state/logs/node-2)"
-      [ $SECONDS -lt $deadline ] || { kc get nodes >&2 || true; die "node $name not Ready after 180s (logs: $state/logs)"; }
+  local deadline=$((SECONDS + 180)) m
+  for ((n = 1; n <= NODES; n++)); do
+    until node_ready "$(node_name "$n")"; do
+      for ((m = 1; m <= NODES; m++)); do
+        init_pid "$(node_dir "$m")" >/dev/null || die "node $(node_name "$m")'s init exited (logs: $(node_logs "$m"))"
+      done
+      [ $SECONDS -lt $deadline ] || { kc get nodes >&2 || true; die "node $(node_name "$n") not Ready after 180s (logs: $state/logs)"; }
       sleep 1
     done
   done
@@ -498,6 +526,19 @@ cmd_up() {
   log "up in $((SECONDS - started))s: node(s) ${names[*]} Ready ($PROXY as the Service proxy)"
   log "use it: scripts/node-cluster.sh kubectl get nodes   (or: ip netns exec $NETNS kubectl --kubeconfig $state/admin.kubeconfig …)"
 }
+
+# Up already: every node CLUSTERIP_NODE_WORKERS asks for runs and is Ready, and no other.
+all_up() {
+  local n
+  for ((n = 1; n <= MAX_WORKERS + 1; n++)); do
+    if [ $n -le $NODES ]; then
+      init_pid "$(node_dir "$n")" >/dev/null && node_ready "$(node_name "$n")" || return 1
+    else
+      [ ! -d "$(node_dir "$n")" ] || return 1
+    fi
+  done
+}
+node_logs() { if [ "$1" = 1 ]; then echo "$state/logs"; else echo "$state/logs/node-$1"; fi; }
 
 # This subshell joins the node's cgroups, then becomes `unshare`, whose child is the node's
 # init (pid 1 of a new pid namespace, in a new mount namespace, in the node's network).
@@ -675,10 +716,11 @@ cmd_load_images() {
   local dir=${1:-$repo/target/images} pid pids=() img
   pid=$(init_pid) || die "no node running in $state"
   pids+=("$pid")
-  if [ -d "$wstate" ]; then
-    pid=$(init_pid "$wstate") || die "the worker node's init is not running ($wstate)"
+  local n
+  for n in $(present_workers); do
+    pid=$(init_pid "$(node_dir "$n")") || die "worker node $(node_name "$n")'s init is not running ($(node_dir "$n"))"
     pids+=("$pid")
-  fi
+  done
   eval "$("$builder" print-dirs)"
   for img in "$dir"/*.oci.tar; do
     [ -f "$img" ] || die "no image archive in $dir"
@@ -707,15 +749,16 @@ stop_init() { # node-dir [quiet]
   fi
 }
 
-# The worker first (its kubelet talks to the first node's apiserver), then the first node;
-# then their cgroups, the namespaces, the state dir (the worker's is inside it).
+# The workers first, last first (their kubelets talk to the first node's apiserver), then
+# the first node; then their cgroups, the namespaces, the state dir (the workers' are inside it).
 cmd_down() {
-  local cg
-  if [ -d "$wstate" ]; then
-    stop_init "$wstate" "${1:-}"
-    cg=$(cat "$wstate/cgroup" 2>/dev/null || node_cgroup -2)
-    remove_cgroups "$cg" "$wstate" || true
-  fi
+  local cg n dir
+  for n in $(present_workers | sort -rn); do
+    dir=$(node_dir "$n")
+    stop_init "$dir" "${1:-}"
+    cg=$(cat "$dir/cgroup" 2>/dev/null || node_cgroup "-$n")
+    remove_cgroups "$cg" "$dir" || true
+  done
   stop_init "$state" "${1:-}"
   cg=$(cat "$state/cgroup" 2>/dev/null || node_cgroup)
   remove_cgroups "$cg" "$state" || true
@@ -741,10 +784,12 @@ node_status() { # node-dir name: one node's init, processes and Ready condition
 
 cmd_status() {
   local ok=0
-  echo "netns $NETNS$([ -d "$wstate" ] && echo ", worker $WNETNS"), outside $EXTNS"
+  local n workers=
+  for n in $(present_workers); do workers+=", worker $(node_netns "$n")"; done
+  echo "netns $NETNS$workers, outside $EXTNS"
   node_status "$state" "$NODE_NAME" || ok=$?
   [ "$ok" = 2 ] && return 1
-  if [ -d "$wstate" ]; then node_status "$wstate" "$WORKER_NAME" || ok=1; fi
+  for n in $(present_workers); do node_status "$(node_dir "$n")" "$(node_name "$n")" || ok=1; done
   if [ -f "$state/owner" ]; then
     local opid ostart; read -r opid ostart < "$state/owner"
     if owner_alive "$opid" "$ostart"; then echo "owner: pid $opid (running)"; else echo "owner: pid $opid (gone: 'reap' removes this node)"; ok=1; fi
@@ -768,10 +813,10 @@ cmd_reap() {
       echo "reap: removed node $d (owner gone)" )
     live=${live/ $(node_id "$d") / }
   done
-  for ns in /run/netns/cipnode-* /run/netns/cipnode2-*; do
+  for ns in /run/netns/cipnode-* /run/netns/cipnode[0-9]-*; do
     [ -e "$ns" ] || continue
-    # (cipnode-<id>, cipnode-<id>-ext, the worker's cipnode2-<id>, and any cipnode-<id>-<name>.)
-    nid=${ns##*/cipnode-}; nid=${nid##*/cipnode2-}; nid=${nid%%-*}
+    # (cipnode-<id>, cipnode-<id>-ext, the workers' cipnode<n>-<id>, and any cipnode-<id>-<name>.)
+    nid=${ns##*/cipnode}; nid=${nid#[0-9]}; nid=${nid#-}; nid=${nid%%-*}
     [[ $live == *" $nid "* ]] && continue
     ( set_names /nonexistent "$nid"
       remove_netns && echo "reap: removed netns ${ns##*/} (its node is gone)" )

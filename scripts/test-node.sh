@@ -9,6 +9,7 @@
 #   CLUSTERIP_NODE_KEEP=1 …         leave the node up at the end (its dir is printed)
 #   CLUSTERIP_NODE_WORKERS=1 …      two nodes (scripts/node-cluster.sh's worker), and the
 #                                   two-nodes check; the default is one node
+#   CLUSTERIP_NODE_WORKERS=2 …      three nodes (two workers), and the three-nodes check
 #
 # Checks:
 #   deploy      2 controller replicas Ready, a leader, the agent Ready; the webhook called by
@@ -19,6 +20,10 @@
 #   two-nodes   (CLUSTERIP_NODE_WORKERS=1 only) a pod on each node reaches, by ClusterIP, a
 #               Service whose only endpoint is a pod on the other node; both NodePorts answer
 #               from outside on both nodes' addresses
+#   three-nodes (CLUSTERIP_NODE_WORKERS=2 only) the same on three nodes: a pod on each node
+#               reaches each other node's pod by ClusterIP (six pairs, to and from the third
+#               node among them); the three NodePorts answer from outside on all three
+#               nodes' addresses (.2, .3 and .4 of the link)
 #   scaling     3 replicas: all three answer through the VIP; 1 replica: only that one does
 #   release     deleting the Service releases its address: a new Service gets it
 #   rbac        kubectl auth can-i as each ServiceAccount: every permission used is granted,
@@ -36,8 +41,10 @@ cd "$repo"
 node=$repo/scripts/node-cluster.sh
 ns=node-test
 NODE_IP=198.18.240.2
-WORKER_IP=198.18.240.3
 WORKERS=${CLUSTERIP_NODE_WORKERS:-0}
+# Node n's name and address (scripts/node-cluster.sh: clusterip-node at .2, workers at .3, .4).
+node_name() { if [ "$1" = 1 ]; then echo clusterip-node; else echo "clusterip-node-$1"; fi; }
+node_ip() { echo "198.18.240.$(($1 + 1))"; }
 passed=0 failed=0
 started=$SECONDS
 deadline=$((SECONDS + ${CLUSTERIP_NODE_TEST_TIMEOUT:-1800}))
@@ -186,20 +193,19 @@ check_workload() {
   log "ClusterIP $vip (IPAddress → services/$ns/web): HTTP and UDP from a pod; NodePort $np from outside the node"
 }
 
-# Two nodes: per node a server pod and a client pod pinned to it (nodeName), and a NodePort
-# Service per server. Each client reaches the other node's server by its Service's ClusterIP
-# (the client's node's agent DNATs, the nodes' routes carry it across, the reply comes back
-# through the same node); the outside reaches both Services on both nodes' addresses.
-check_two_nodes() {
-  local n name
-  for n in 1 2; do
-    name=clusterip-node; [ $n = 1 ] || name=clusterip-node-$n
+# Two or three nodes: per node a server pod and a client pod pinned to it (nodeName), and a
+# NodePort Service per server. Each client reaches every other node's server by its Service's
+# ClusterIP (the client's node's agent DNATs, the nodes' routes carry it across, the reply
+# comes back through the same node); the outside reaches every Service on every node's address.
+check_nodes() { # number of nodes
+  local nodes=$1 n pods=()
+  for ((n = 1; n <= nodes; n++)); do
     k apply -f - >/dev/null <<EOF || return 1
 apiVersion: v1
 kind: Pod
 metadata: {name: node$n-web, namespace: $ns, labels: {app: node$n-web}}
 spec:
-  nodeName: $name
+  nodeName: $(node_name $n)
   terminationGracePeriodSeconds: 0
   containers:
   - name: serve
@@ -212,7 +218,7 @@ apiVersion: v1
 kind: Pod
 metadata: {name: node$n-client, namespace: $ns}
 spec:
-  nodeName: $name
+  nodeName: $(node_name $n)
   terminationGracePeriodSeconds: 0
   containers:
   - {name: client, image: clusterip-node-test:dev, imagePullPolicy: Never, command: [sleep, infinity]}
@@ -225,28 +231,34 @@ spec:
   selector: {app: node$n-web}
   ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
 EOF
+    pods+=("pod/node$n-web" "pod/node$n-client")
   done
-  k -n "$ns" wait --for=condition=Ready pod/node1-web pod/node1-client pod/node2-web pod/node2-client --timeout=120s >&2 || return 1
-  local from to v out np ip
-  for from in 1 2; do
-    to=$((3 - from))
-    v=$(k -n "$ns" get service "node$to-web" -o jsonpath='{.spec.clusterIP}')
-    until_ok 30 timeout 15 "$node" kubectl -n "$ns" exec "node$from-client" -- curl -sS --max-time 3 "http://$v/" || return 1
-    out=$(timeout 15 "$node" kubectl -n "$ns" exec "node$from-client" -- curl -sS --max-time 3 "http://$v/")
-    [ "$out" = "http node$to-web" ] || { log "node $from's client via $v (node$to-web): '$out'"; return 1; }
-    log "node $from's client → $v → node$to-web on node $to: '$out'"
+  k -n "$ns" wait --for=condition=Ready "${pods[@]}" --timeout=120s >&2 || return 1
+  local from to v out np ip ips=()
+  for ((from = 1; from <= nodes; from++)); do
+    for ((to = 1; to <= nodes; to++)); do
+      [ $to != $from ] || continue
+      v=$(k -n "$ns" get service "node$to-web" -o jsonpath='{.spec.clusterIP}')
+      until_ok 30 timeout 15 "$node" kubectl -n "$ns" exec "node$from-client" -- curl -sS --max-time 3 "http://$v/" || return 1
+      out=$(timeout 15 "$node" kubectl -n "$ns" exec "node$from-client" -- curl -sS --max-time 3 "http://$v/")
+      [ "$out" = "http node$to-web" ] || { log "node $from's client via $v (node$to-web): '$out'"; return 1; }
+      log "node $from's client → $v → node$to-web on node $to: '$out'"
+    done
   done
-  for to in 1 2; do
+  for ((n = 1; n <= nodes; n++)); do ips+=("$(node_ip $n)"); done
+  for ((to = 1; to <= nodes; to++)); do
     np=$(k -n "$ns" get service "node$to-web" -o jsonpath='{.spec.ports[0].nodePort}')
-    for ip in "$NODE_IP" "$WORKER_IP"; do
+    for ip in "${ips[@]}"; do
       until_ok 30 "$node" ext curl -sS --max-time 3 "http://$ip:$np/" || return 1
       out=$("$node" ext curl -sS --max-time 3 "http://$ip:$np/")
       [ "$out" = "http node$to-web" ] || { log "NodePort $ip:$np (node$to-web) from outside: '$out'"; return 1; }
     done
-    log "NodePort $np (node$to-web): answers from outside on $NODE_IP and $WORKER_IP"
+    log "NodePort $np (node$to-web): answers from outside on ${ips[*]}"
   done
-  k -n "$ns" delete service node1-web node2-web >/dev/null
-  k -n "$ns" delete pod node1-web node2-web node1-client node2-client --wait=false >/dev/null
+  for ((n = 1; n <= nodes; n++)); do
+    k -n "$ns" delete service "node$n-web" >/dev/null
+    k -n "$ns" delete pod "node$n-web" "node$n-client" --wait=false >/dev/null
+  done
 }
 
 # The names that answer through the VIP in N requests, sorted, one line.
@@ -390,8 +402,10 @@ check_restart() {
 
 check "deploy: kubectl apply -k deploy/, 2 controller replicas Ready, agent programs the webhook's ClusterIP" check_deploy
 check "workload: ClusterIP from clusterip's range, HTTP+UDP by VIP from a pod, NodePort from outside" check_workload
-[ "$WORKERS" = 1 ] &&
-  check "two-nodes: a pod on each node reaches the other node's pod by ClusterIP; NodePorts on both nodes from outside" check_two_nodes
+case "$WORKERS" in
+  1) check "two-nodes: a pod on each node reaches the other node's pod by ClusterIP; NodePorts on both nodes from outside" check_nodes 2 ;;
+  2) check "three-nodes: a pod on each node reaches each other node's pod by ClusterIP; NodePorts on all three nodes from outside" check_nodes 3 ;;
+esac
 check "scaling changes the endpoints the VIP reaches" check_scaling
 check "deleting a Service releases its address" check_release
 check "rbac: kubectl auth can-i as the ServiceAccounts: what is used, nothing beyond" check_rbac

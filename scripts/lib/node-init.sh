@@ -10,7 +10,7 @@
 #
 # NODE_DIR holds the node's node.env, containerd.toml, kubelet.yaml, kubelet.kubeconfig, and
 # gets its containerd root, kubelet root and node-pids: the state dir
-# itself for the first node, <state>/node-2 for the worker.
+# itself for the first node, <state>/node-<n> for worker n (2, 3).
 #
 # Private to the node (mounted here, gone with it): /run (containerd's sockets and state,
 # the pods' network namespaces, xtables.lock), /var/lib (CNI's cache) and /var/log (pod

@@ -286,35 +286,45 @@ pub fn render_port(
         }
     }
 
-    // External traffic: externalIPs, LB IPs, NodePort.
+    // External traffic: externalIPs, LB IPs, NodePort. As kube-proxy: the ext chain exists
+    // whenever the port has endpoints, even with eTP=Local and none on this node — its
+    // short-circuit sends this node's own connections to the cluster's endpoints (kube-proxy's
+    // "short-circuit local traffic"); anything else falls through it undNATed and meets the
+    // no-endpoint drop in filter-input.
     if sp.externally_accessible() {
         let external_target = if sp.external_policy_local { has_local.then_some(&local_chain) } else { has_cluster.then_some(&cluster_chain) };
-        if let Some(target) = external_target {
+        let short_circuit = sp.external_policy_local && has_cluster;
+        let uses_ext_chain = external_target.is_some() || short_circuit;
+        if uses_ext_chain {
             let mut rules = Vec::new();
-            if sp.external_policy_local {
-                if has_cluster {
-                    rules.push(Rule::new([Expr::FibSaddrLocal, jump(MARK_FOR_MASQUERADE)]));
-                    rules.push(Rule::new([Expr::FibSaddrLocal, goto(&cluster_chain)]));
-                }
-            } else {
+            if short_circuit {
+                rules.push(Rule::new([Expr::FibSaddrLocal, jump(MARK_FOR_MASQUERADE)]));
+                rules.push(Rule::new([Expr::FibSaddrLocal, goto(&cluster_chain)]));
+            } else if !sp.external_policy_local {
                 rules.push(Rule::new([jump(MARK_FOR_MASQUERADE)]));
             }
-            rules.push(Rule::new([goto(target)]));
+            if let Some(target) = external_target {
+                rules.push(Rule::new([goto(target)]));
+            }
             frag.chains.insert(ext_chain.clone(), rules);
         }
         let no_endpoint = || Some(Value::Verdict(no_endpoint_verdict.clone()));
         for vip in &external_vips {
             let key = Key::AddrProtoPort(**vip, proto, sp.port);
-            match external_target {
-                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key, value: goto_value(&ext_chain) }),
-                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: no_endpoint() }),
+            if uses_ext_chain {
+                frag.elements.push(Element { set: SetName::Named(SERVICE_IPS), key: key.clone(), value: goto_value(&ext_chain) });
+            }
+            if external_target.is_none() {
+                frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_SERVICES), key, value: no_endpoint() });
             }
         }
         if let Some(np) = sp.node_port {
             let key = Key::ProtoPort(proto, np);
-            match external_target {
-                Some(_) => frag.elements.push(Element { set: SetName::Named(SERVICE_NODEPORTS), key, value: goto_value(&ext_chain) }),
-                None => frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key, value: no_endpoint() }),
+            if uses_ext_chain {
+                frag.elements.push(Element { set: SetName::Named(SERVICE_NODEPORTS), key: key.clone(), value: goto_value(&ext_chain) });
+            }
+            if external_target.is_none() {
+                frag.elements.push(Element { set: SetName::Named(NO_ENDPOINT_NODEPORTS), key, value: no_endpoint() });
             }
         }
         // loadBalancerSourceRanges apply to LB IPs only (not NodePorts, as in kube-proxy).
@@ -512,6 +522,38 @@ mod tests {
         let all = elements(&f);
         assert!(all.contains(&el(SetName::Named(NO_ENDPOINT_NODEPORTS), "tcp . 30080", Some("drop"))));
         assert!(all.iter().any(|e| e.0 == SetName::Named(SERVICE_IPS) && e.1.starts_with("198.19.0.10")));
+    }
+
+    /// Kubernetes' e2e "should implement NodePort and HealthCheckNodePort correctly when
+    /// ExternalTrafficPolicy changes": a host-network client on a node with no endpoint of an
+    /// eTP=Local Service connects to its own node's NodePort and must be answered (kube-proxy's
+    /// "short-circuit local traffic": masquerade, then the cluster's endpoints); a client
+    /// elsewhere is still dropped there (no-endpoint-nodeports, in filter-input, after nat).
+    #[test]
+    fn external_local_without_local_endpoints_short_circuits_this_nodes_own_traffic() {
+        let mut sp = port();
+        sp.node_port = Some(30080);
+        sp.external_ips = vec![ip("198.18.9.9")];
+        sp.external_policy_local = true;
+        let f = render(&desired(sp, eps(2), vec![], true));
+        assert_eq!(
+            rules(&f, "ext-ns/web/tcp/http"),
+            vec!["fib saddr type local jump mark-for-masquerade".to_string(), "fib saddr type local goto svc-ns/web/tcp/http".to_string()],
+            "only the short-circuit: no goto a local chain there is none of"
+        );
+        assert!(!f.chains.contains_key("local-ns/web/tcp/http"));
+        let all = elements(&f);
+        assert!(all.contains(&el(SetName::Named(SERVICE_NODEPORTS), "tcp . 30080", Some("goto ext-ns/web/tcp/http"))));
+        assert!(all.contains(&el(SetName::Named(NO_ENDPOINT_NODEPORTS), "tcp . 30080", Some("drop"))));
+        assert!(all.contains(&el(SetName::Named(SERVICE_IPS), "198.18.9.9 . tcp . 80", Some("goto ext-ns/web/tcp/http"))));
+        assert!(all.contains(&el(SetName::Named(NO_ENDPOINT_SERVICES), "198.18.9.9 . tcp . 80", Some("drop"))));
+        // No endpoint anywhere: no ext chain, the NodePort rejects.
+        let mut sp = port();
+        sp.node_port = Some(30080);
+        sp.external_policy_local = true;
+        let f = render(&desired(sp, vec![], vec![], false));
+        assert!(f.chains.is_empty());
+        assert!(elements(&f).contains(&el(SetName::Named(NO_ENDPOINT_NODEPORTS), "tcp . 30080", Some("goto reject-chain"))));
     }
 
     #[test]

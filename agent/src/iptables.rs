@@ -183,33 +183,43 @@ pub fn render_port(d: &DesiredPort, family: IpFamily, masquerade_all: bool, clus
         }
     }
     if sp.externally_accessible() {
+        // As kube-proxy: the ext chain exists whenever the port has endpoints, even with
+        // eTP=Local and none on this node — its short-circuit sends this node's own
+        // connections to the cluster's endpoints; anything else falls through it undNATed and
+        // meets the no-endpoint rule in the filter table (INPUT, FORWARD).
         let external = if sp.external_policy_local { has_local.then_some(&svl_chain) } else { has_cluster.then_some(&svc_chain) };
-        if let Some(t) = external {
+        let short_circuit = sp.external_policy_local && has_cluster;
+        let uses_ext_chain = external.is_some() || short_circuit;
+        if uses_ext_chain {
             let mut rules = Vec::new();
-            if sp.external_policy_local {
-                if has_cluster {
-                    rules.push(format!("{comment} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"));
-                    rules.push(format!("{comment} -m addrtype --src-type LOCAL -j {svc_chain}"));
-                }
-            } else {
+            if short_circuit {
+                rules.push(format!("{comment} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"));
+                rules.push(format!("{comment} -m addrtype --src-type LOCAL -j {svc_chain}"));
+            } else if !sp.external_policy_local {
                 rules.push(format!("{comment} -j KUBE-MARK-MASQ"));
             }
-            rules.push(format!("{comment} -j {t}"));
+            if let Some(t) = external {
+                rules.push(format!("{comment} -j {t}"));
+            }
             r.chains.insert(ext_chain.clone(), rules);
         }
         let vips = sp.external_ips.iter().chain(&sp.load_balancer_ips).filter(in_family);
         for vip in vips {
             let m = format!("{comment} -d {} -p {proto} -m {proto} --dport {}", host_cidr(vip), sp.port);
-            match external {
-                Some(_) => r.nat_services.push(format!("{m} -j {ext_chain}")),
-                None => r.filter_services.push(format!("{m} -j {no_ep_target}")),
+            if uses_ext_chain {
+                r.nat_services.push(format!("{m} -j {ext_chain}"));
+            }
+            if external.is_none() {
+                r.filter_services.push(format!("{m} -j {no_ep_target}"));
             }
         }
         if let Some(np) = sp.node_port {
             let m = format!("{comment} -p {proto} -m {proto} --dport {np}");
-            match external {
-                Some(_) => r.nat_nodeports.push(format!("{m} -j {ext_chain}")),
-                None => r.filter_external.push(format!("{comment} -m addrtype --dst-type LOCAL -p {proto} -m {proto} --dport {np} -j {no_ep_target}")),
+            if uses_ext_chain {
+                r.nat_nodeports.push(format!("{m} -j {ext_chain}"));
+            }
+            if external.is_none() {
+                r.filter_external.push(format!("{comment} -m addrtype --dst-type LOCAL -p {proto} -m {proto} --dport {np} -j {no_ep_target}"));
             }
         }
     }
@@ -590,6 +600,32 @@ mod tests {
     fn per_service_chains_are_found_in_a_save() {
         let save = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-AAAA - [0:0]\n:KUBE-SEP-BBBB - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n-A KUBE-SERVICES -j KUBE-SVC-AAAA\nCOMMIT\n";
         assert_eq!(service_chains(save), ["KUBE-SEP-BBBB".to_string(), "KUBE-SVC-AAAA".to_string()].into());
+    }
+
+    /// Kubernetes' e2e "should implement NodePort and HealthCheckNodePort correctly when
+    /// ExternalTrafficPolicy changes" (found there for the nftables mode): a NodePort with
+    /// eTP=Local and endpoints, none on this node. This node's own connections (nat OUTPUT)
+    /// are short-circuited to the cluster's endpoints through the ext chain; others fall
+    /// through it and are dropped in the filter table.
+    #[test]
+    fn external_local_without_local_endpoints_short_circuits_this_nodes_own_traffic() {
+        let mut p = d(2);
+        p.port.node_port = Some(30080);
+        p.port.external_policy_local = true;
+        let r = render_port(&p, IpFamily::V4, false, &[]);
+        let ext = r.chains.iter().find(|(k, _)| k.starts_with("KUBE-EXT-")).map(|(_, v)| v).expect("an ext chain without local endpoints");
+        assert_eq!(ext.len(), 2, "{ext:?}");
+        assert!(ext[0].ends_with("-m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"), "{ext:?}");
+        assert!(ext[1].contains("-m addrtype --src-type LOCAL -j KUBE-SVC-"), "{ext:?}");
+        assert!(r.nat_nodeports.iter().any(|n| n.contains("--dport 30080 -j KUBE-EXT-")), "{:?}", r.nat_nodeports);
+        assert!(r.filter_external.iter().any(|f| f.contains("--dst-type LOCAL -p tcp -m tcp --dport 30080 -j DROP")), "{:?}", r.filter_external);
+        // With a local endpoint: no drop, and the ext chain ends in the local one.
+        let mut p = p;
+        p.v4.local = vec![p.v4.cluster[0].clone()];
+        let r = render_port(&p, IpFamily::V4, false, &[]);
+        assert!(r.filter_external.is_empty());
+        let ext = r.chains.iter().find(|(k, _)| k.starts_with("KUBE-EXT-")).map(|(_, v)| v).expect("ext chain");
+        assert!(ext.last().is_some_and(|l| l.contains("-j KUBE-SVL-")), "{ext:?}");
     }
 
     #[test]

@@ -620,7 +620,6 @@ mod tests {
         assert!(r.nat_nodeports.iter().any(|n| n.contains("--dport 30080 -j KUBE-EXT-")), "{:?}", r.nat_nodeports);
         assert!(r.filter_external.iter().any(|f| f.contains("--dst-type LOCAL -p tcp -m tcp --dport 30080 -j DROP")), "{:?}", r.filter_external);
         // With a local endpoint: no drop, and the ext chain ends in the local one.
-        let mut p = p;
         p.v4.local = vec![p.v4.cluster[0].clone()];
         let r = render_port(&p, IpFamily::V4, false, &[]);
         assert!(r.filter_external.is_empty());

@@ -28,8 +28,7 @@ use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::ipaddress::apiserver_ips::ApiserverIps;
 use clusterip::store::ipaddress::blocks::{block_name, span, BlockOptions, BlockStore, BLOCK_LABEL, WANTED_ANNOTATION};
 use clusterip::store::{AllocationStore, ParentRef, StoreError};
-use clusterip_test_support::poll::eventually_some;
-use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use clusterip_test_support::{control_plane, eventually_ok, eventually_some, unique_name, within, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
@@ -116,14 +115,17 @@ impl Fixture {
                 let _ = Api::<Service>::namespaced(self.client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        for off in 0..self.range.size() {
-            let Some(ip) = self.range.ip_at(off) else { continue };
-            while addresses.get_opt(&ip.to_string()).await.expect("read IPAddress").is_some() {
-                assert!(Instant::now() < deadline, "{ip} still recorded after 60s");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+        let (addresses, range) = (&addresses, &self.range);
+        eventually_ok("the range's leftover records are gone", Duration::from_secs(60), Duration::from_millis(100), move || async move {
+            for off in 0..range.size() {
+                let Some(ip) = range.ip_at(off) else { continue };
+                if addresses.get_opt(&ip.to_string()).await.expect("read IPAddress").is_some() {
+                    return Err(format!("{ip} still recorded"));
+                }
             }
-        }
+            Ok(())
+        })
+        .await
     }
 
     /// What the apiserver does with an answer: store a Service with that address.
@@ -229,6 +231,7 @@ async fn after_an_apiserver_restart_exactly_one_replica_answers_from_a_block() {
     cp.stop("kube-apiserver");
     let stopped = Instant::now();
     // Both keep trying while it is down: renewals and lists fail, nothing is taken over.
+    // (Time is the subject: ticks every 500 ms for D and a margin.)
     while stopped.elapsed() < D + Duration::from_secs(2) {
         let ta = a.tick().await;
         assert!(ta.lost.is_empty(), "A dropped its block while the apiserver was down: {ta:?}");
@@ -295,19 +298,28 @@ async fn a_replica_whose_blocks_are_used_up_gets_one_handed_over_by_a_holder_wit
             let mut handed = Vec::new();
             while !stop.load(Ordering::Relaxed) {
                 handed.extend(a.tick().await.handed_over);
+                // (A's ticks at a rate, as its timer would run them: not a wait.)
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             handed
         }
     });
-    let mut got = drain(&b, &fx.parent("b")).await;
+    let got = drain(&b, &fx.parent("b")).await;
     // (On a busy machine A's tick may answer after B's admission stopped waiting: then B's
     // next admission finds the block given back.)
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while got.len() < 14 - fx.span_of(&with_x, 4).len() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        got.extend(drain(&b, &fx.parent("b")).await);
-    }
+    let want = 14 - fx.span_of(&with_x, 4).len();
+    let drained = std::cell::RefCell::new(got);
+    let (drained, b_ref, fx_ref) = (&drained, &b, &fx);
+    within(Duration::from_secs(60), Duration::from_millis(500), move || async move {
+        if drained.borrow().len() >= want {
+            return Some(());
+        }
+        let more = drain(b_ref, &fx_ref.parent("b")).await;
+        drained.borrow_mut().extend(more);
+        None
+    })
+    .await;
+    let got = drained.take();
     stop.store(true, Ordering::Relaxed);
     let handed = ticker.await.expect("A's ticks");
 

@@ -21,9 +21,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use clusterip_test_support::{control_plane, kubectl_path, repo_root, ControlPlane};
+use clusterip_test_support::{control_plane, kubectl_path, repo_root, wait_within, ControlPlane};
 use serde_json::Value;
 
 const NS: &str = "clusterip-system";
@@ -72,14 +72,7 @@ fn finalize_namespace(cp: &ControlPlane) {
 }
 
 fn wait_gone(cp: &ControlPlane, limit: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if namespace_phase(cp).is_none() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    false
+    wait_within(limit, Duration::from_millis(200), || namespace_phase(cp).is_none().then_some(())).is_some()
 }
 
 /// The namespace for the dry run; deleted on drop if this test made it (failed test too).

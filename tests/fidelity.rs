@@ -21,7 +21,7 @@ mod controller_common;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 use k8s_openapi::api::core::v1::{Namespace, Service};
@@ -31,7 +31,7 @@ use kube::Client;
 use serde_json::{json, Value};
 
 use clusterip::cidr::ServiceCidr;
-use clusterip_test_support::{block_on_drop, control_plane, free_leftover, unique_name, ControlPlane};
+use clusterip_test_support::{block_on_drop, control_plane, eventually_ok, free_leftover, unique_name, ControlPlane};
 use controller_common::Controller;
 
 /// The addresses one backend's run uses: our ranges (the webhook's), and the stock side's
@@ -524,16 +524,18 @@ impl Webhook {
         // The apiserver picks configurations up asynchronously: a dry-run create of an
         // address only our webhook refuses, until it does.
         let path = format!("/api/v1/namespaces/{name}/services");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
+        let (client, path, ours) = (&client, &path, &format!("The range of valid IPs is {our_v4}"));
+        eventually_ok("the apiserver calls the webhook", Duration::from_secs(60), Duration::from_millis(200), move || async move {
             let spec = json!({"clusterIP": probe}).to_string();
-            let (code, body) = send(&client, kube::core::Request::new(&path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", &spec))).await;
-            if code == 422 && body["message"].as_str().unwrap_or_default().contains(&format!("The range of valid IPs is {our_v4}")) {
-                return wh;
+            let (code, body) = send(client, kube::core::Request::new(path).create(&PostParams { dry_run: true, ..Default::default() }, service_body("probe", &spec))).await;
+            if code == 422 && body["message"].as_str().unwrap_or_default().contains(ours.as_str()) {
+                Ok(())
+            } else {
+                Err(format!("{code} {body}"))
             }
-            assert!(Instant::now() < deadline, "webhook not called by the apiserver within 60s: {code} {body}");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        })
+        .await;
+        wh
     }
 }
 
@@ -671,15 +673,17 @@ async fn matches_stock(layout: &Layout) {
 async fn only_the_default_servicecidr(client: &Client) {
     use k8s_openapi::api::networking::v1::ServiceCIDR;
     let api: Api<ServiceCIDR> = Api::all(client.clone());
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
+    let api = &api;
+    let what = "no ServiceCIDR besides `kubernetes` exists (else stock Kubernetes' dry-run answers would depend on which one it picks)";
+    eventually_ok(what, Duration::from_secs(120), Duration::from_millis(500), move || async move {
         let others: Vec<String> = api.list(&Default::default()).await.expect("list ServiceCIDRs").items.into_iter().filter_map(|sc| sc.metadata.name).filter(|n| n != "kubernetes").collect();
         if others.is_empty() {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{others:?}"))
         }
-        assert!(Instant::now() < deadline, "ServiceCIDRs besides `kubernetes` still exist after 120s ({others:?}): stock Kubernetes' dry-run answers would depend on which one it picks");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    })
+    .await
 }
 
 /// A full range, compared with stock Kubernetes on a control plane of its own whose

@@ -10,13 +10,13 @@
 //! deadline 4 s, retry 1 s) but only orderings and generous bounds are asserted: the tests
 //! must hold on a loaded 2-core machine.
 //!
-//! Ranges: slice 10 of controller_e2e.rs's scheme (198.19.80.0/21, fd00:10:96::5000/117),
+//! Ranges: slice 10 of controller_e2e's scheme (`Slice`, tests/controller_e2e/harness.rs: 198.19.80.0/21, fd00:10:96::5000/117),
 //! which no other test uses; no webhook is registered, so nothing is ever allocated there.
 
 mod controller_common;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
@@ -24,7 +24,7 @@ use kube::api::{Api, DeleteParams};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use clusterip_test_support::{control_plane, local_get, owned_temp_dir, unique_name, ControlPlane};
+use clusterip_test_support::{control_plane, local_get, owned_temp_dir, unique_name, within, ControlPlane};
 use controller_common::{metric, Controller};
 
 const RANGES: &str = "198.19.80.0/21,fd00:10:96::5000/117";
@@ -132,13 +132,14 @@ fn transitions(c: &Controller) -> Vec<(Timestamp, bool)> {
 
 /// Poll `f` every 100 ms until it holds; fail after `limit` with `what` and the logs.
 async fn wait_until(what: &str, limit: Duration, logs: &[&Controller], mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f() {
-        if Instant::now() > deadline {
-            let logs: Vec<String> = logs.iter().map(|c| c.log()).collect();
-            panic!("not within {limit:?}: {what}\n{}", logs.join("\n---\n"));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let held = within(limit, Duration::from_millis(100), || {
+        let held = f();
+        async move { held.then_some(()) }
+    })
+    .await;
+    if held.is_none() {
+        let logs: Vec<String> = logs.iter().map(|c| c.log()).collect();
+        panic!("not within {limit:?}: {what}\n{}", logs.join("\n---\n"));
     }
 }
 
@@ -159,11 +160,12 @@ async fn a_leads_b_waits(cp: &ControlPlane, name: &str, proxy: &Proxy, timings: 
     let a = replica(cp, name, "a", &proxy.kubeconfig, timings);
     wait_until("replica-a leads", Duration::from_secs(120), &[&a], || transitions(&a).iter().any(|t| t.1)).await;
     let b = replica(cp, name, "b", &cp.kubeconfig(), timings);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while master_status(&b, name).await != Some(0.0) || holder(&leases, name).await.as_deref() != Some("replica-a") {
-        assert!(Instant::now() < deadline, "replica-b not running as a candidate of replica-a's Lease within 120s:\n{}", b.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (candidate, lease_api) = (&b, &leases);
+    let waiting = within(Duration::from_secs(120), Duration::from_millis(100), move || async move {
+        (master_status(candidate, name).await == Some(0.0) && holder(lease_api, name).await.as_deref() == Some("replica-a")).then_some(())
+    })
+    .await;
+    assert!(waiting.is_some(), "replica-b not running as a candidate of replica-a's Lease within 120s:\n{}", b.log());
     assert_eq!(master_status(&a, name).await, Some(1.0), "replica-a's gauge");
     (a, b, leases)
 }
@@ -222,17 +224,15 @@ async fn a_refused_renewal_does_not_change_leadership() {
     let restored = Timestamp::now();
 
     // Replica-a renews again, several times (renewTime 3 s past the restore).
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let spec = leases.get(&name).await.expect("read the Lease").spec.unwrap_or_default();
-        assert_eq!(spec.holder_identity.as_deref(), Some("replica-a"), "the Lease changed hands:\n{}\n---\n{}", a.log(), b.log());
-        if spec.renew_time.is_some_and(|t| t.0.duration_since(restored) > k8s_openapi::jiff::SignedDuration::from_secs(3)) {
-            assert_eq!(spec.lease_transitions, transitions_before);
-            break;
-        }
-        assert!(Instant::now() < deadline, "replica-a did not renew within 60s of the restore:\n{}", a.log());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (lease_api, lease, ra, rb) = (&leases, &name, &a, &b);
+    let renewed = within(Duration::from_secs(60), Duration::from_millis(200), move || async move {
+        let spec = lease_api.get(lease).await.expect("read the Lease").spec.unwrap_or_default();
+        assert_eq!(spec.holder_identity.as_deref(), Some("replica-a"), "the Lease changed hands:\n{}\n---\n{}", ra.log(), rb.log());
+        spec.renew_time.is_some_and(|t| t.0.duration_since(restored) > k8s_openapi::jiff::SignedDuration::from_secs(3)).then_some(spec.lease_transitions)
+    })
+    .await;
+    let renewed = renewed.unwrap_or_else(|| panic!("replica-a did not renew within 60s of the restore:\n{}", a.log()));
+    assert_eq!(renewed, transitions_before);
     let (ta, tb) = (transitions(&a), transitions(&b));
     assert!(ta.len() == 1 && ta[0].1, "replica-a's leadership changed on one refused renewal: {ta:?}\n{}", a.log());
     assert!(tb.is_empty(), "replica-b led: {tb:?}");

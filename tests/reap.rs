@@ -12,11 +12,11 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clusterip_test_support::{
     control_plane, die_with_parent, die_with_parent_tokio, netns_name, owned_temp_dir, proc_start_time, process_alive,
-    repo_root, wait_until, ControlPlane,
+    repo_root, wait_for, wait_until, wait_within, ControlPlane,
 };
 
 /// Tests that start clusters or whole runs take turns (2 cores; bounded load).
@@ -41,12 +41,7 @@ fn is_root() -> bool {
 
 /// Wait for a child with a deadline.
 fn wait_child(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
-    let mut status = None;
-    wait_until(what, limit, || {
-        status = child.try_wait().expect("try_wait");
-        status.is_some()
-    });
-    status.unwrap()
+    wait_for(what, limit, || child.try_wait().expect("try_wait"))
 }
 
 /// The identity of a live process (pid, start time).
@@ -166,6 +161,7 @@ fn die_with_parent_child_dies_with_the_spawning_thread() {
 
     // While the spawning thread lives, so does the child.
     let mut alive = sleeper();
+    // Time is the subject: still alive 200 ms on.
     std::thread::sleep(Duration::from_millis(200));
     assert!(alive.try_wait().unwrap().is_none(), "child died while its thread lives");
     alive.kill().unwrap();
@@ -323,14 +319,16 @@ fn sigkilled_test_run_is_reaped() {
 
     // Compiling (only the reap test; more when sources changed), the run's cluster and the
     // victim's setup: generous, as a deadline only.
-    let deadline = Instant::now() + Duration::from_secs(1800);
-    while !ready.exists() {
+    let victim_ready = wait_within(Duration::from_secs(1800), Duration::from_millis(200), || {
+        if ready.exists() {
+            return Some(());
+        }
         if let Some(status) = inner.try_wait().unwrap() {
             panic!("inner scripts/test.sh ended ({status}) before the victim was ready:\n{}", log_tail());
         }
-        assert!(Instant::now() < deadline, "victim not ready in 30 min:\n{}", log_tail());
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        None
+    });
+    assert!(victim_ready.is_some(), "victim not ready in 30 min:\n{}", log_tail());
     let info: std::collections::HashMap<String, String> = fs::read_to_string(&ready)
         .unwrap()
         .lines()
@@ -427,7 +425,7 @@ fn victim_of_reap_test() {
     );
     fs::write(format!("{ready}.tmp"), text).unwrap();
     fs::rename(format!("{ready}.tmp"), &ready).unwrap();
-    // Killed from outside long before this ends.
+    // Killed from outside long before this ends (time is the subject: it waits to be killed).
     std::thread::sleep(Duration::from_secs(900));
     panic!("victim_of_reap_test: not killed within 15 min");
 }

@@ -13,14 +13,14 @@
 mod controller_common;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clusterip::cidr::ServiceCidr;
 use clusterip::repair::{Action, Repairer, Target};
 use clusterip::store::etcd::{EtcdConfig, EtcdStore};
 use clusterip::store::ipaddress::{IpAddressConfig, IpAddressStore};
 use clusterip::store::{AllocationStore, ParentRef};
-use clusterip_test_support::{block_on_drop, control_plane, eventually, free_leftover, ip, local_get, unique_name, ControlPlane};
+use clusterip_test_support::{block_on_drop, control_plane, eventually, free_leftover, ip, local_get, unique_name, within, ControlPlane};
 use controller_common::{metric, Controller};
 use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
@@ -432,21 +432,18 @@ async fn controller_repair_loop_releases_a_leak_after_three_passes() {
     let metrics_port = child.metrics_port;
     let leak_series = "clusterip_repair_ip_errors_total{type=\"leak\"}";
     // The first pass (at start) sees the leak and keeps it.
-    let mut held_after_a_pass = false;
-    let mut released_at = None;
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while Instant::now() < deadline {
-        let held = store.has(ip("198.18.163.5")).await.expect("has");
+    let held_after_a_pass = std::cell::Cell::new(false);
+    let (store_ref, held_seen) = (&store, &held_after_a_pass);
+    let released_at = within(Duration::from_secs(180), Duration::from_millis(100), move || async move {
+        let held = store_ref.has(ip("198.18.163.5")).await.expect("has");
         let seen = metric(&scrape(metrics_port).await, leak_series).unwrap_or(0.0);
         if held && seen >= 1.0 {
-            held_after_a_pass = true;
+            held_seen.set(true);
         }
-        if !held {
-            released_at = Some(seen);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        (!held).then_some(seen)
+    })
+    .await;
+    let held_after_a_pass = held_after_a_pass.get();
     let text = scrape(metrics_port).await;
     child.kill();
     assert!(held_after_a_pass, "the leak was released by the first pass");

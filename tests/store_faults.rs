@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use clusterip::store::etcd::EtcdStore;
 use clusterip::store::AllocationStore as _;
-use clusterip_test_support::ControlPlane;
+use clusterip_test_support::{eventually_ok, eventually_some, ControlPlane};
 
 use store_common::{collect, spawn_allocators, Backend, Fixture};
 
@@ -27,15 +27,12 @@ async fn restart_mid_run(backend: Backend, component: &str, tag: &str, cidr: &st
     let children = spawn_allocators(&fx, 4, 1500, 8, &extra);
 
     // Let the run get going: wait until the backend holds some records.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let store = fx.open().await;
-        if store.allocated().await.map(|a| a.len()).unwrap_or(0) >= 200 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "allocators made no progress in 60s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let fixture = &fx;
+    eventually_some("the allocators make progress (200 records)", Duration::from_secs(60), Duration::from_millis(50), move || async move {
+        let store = fixture.open().await;
+        (store.allocated().await.map(|a| a.len()).unwrap_or(0) >= 200).then_some(())
+    })
+    .await;
     cp.stop(component);
     // Hold it down long enough for in-flight requests to fail (an outage has a length; this
     // wait is the fault being injected, not synchronisation).
@@ -55,13 +52,12 @@ async fn restart_mid_run(backend: Backend, component: &str, tag: &str, cidr: &st
 
     // Nothing acknowledged was lost. (Addresses whose acknowledgement was lost with the
     // outage may be recorded too: leaks for repair, never duplicates.)
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let recorded: BTreeSet<IpAddr> = loop {
-        match tokio::time::timeout(Duration::from_secs(10), fx.open()).await {
-            Ok(store) => break store.allocated().await.expect("read records").into_iter().collect(),
-            Err(_) => assert!(Instant::now() < deadline, "backend did not come back within 60s"),
-        }
-    };
+    // (No pause between attempts: each times out on its own.)
+    let store = eventually_some("the backend comes back", Duration::from_secs(60), Duration::ZERO, move || async move {
+        tokio::time::timeout(Duration::from_secs(10), fixture.open()).await.ok()
+    })
+    .await;
+    let recorded: BTreeSet<IpAddr> = store.allocated().await.expect("read records").into_iter().collect();
     let lost: Vec<_> = acknowledged.difference(&recorded).collect();
     assert!(lost.is_empty(), "{} acknowledged allocations lost, e.g. {:?}", lost.len(), &lost[..lost.len().min(5)]);
     eprintln!(
@@ -112,21 +108,20 @@ async fn statuses(endpoints: &[String]) -> Vec<Option<MemberStatus>> {
 /// The member that leads, by etcd's own account: the leader named by at least two members
 /// (a quorum of three), which answers itself and is not `except`. Waits up to 120 s.
 async fn wait_for_leader(endpoints: &[String], except: Option<usize>) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
+    eventually_ok(&format!("an agreed etcd leader (except {except:?})"), Duration::from_secs(120), Duration::from_millis(200), move || async move {
         let st = statuses(endpoints).await;
         let answering: Vec<MemberStatus> = st.iter().flatten().copied().collect();
         let agreed = answering.iter().map(|s| s.leader).find(|&l| l != 0 && answering.iter().filter(|s| s.leader == l).count() >= 2);
         if let Some(l) = agreed {
             if let Some(i) = st.iter().position(|s| s.map(|s| s.id) == Some(l)) {
                 if Some(i) != except {
-                    return i;
+                    return Ok(i);
                 }
             }
         }
-        assert!(Instant::now() < deadline, "no agreed etcd leader (except {except:?}) within 120s: {st:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        Err(format!("{st:?}"))
+    })
+    .await
 }
 
 /// One batch of allocator processes: when it ran, what it was told.
@@ -227,16 +222,18 @@ impl Probe {
 /// Wait until every probe has been answered `n` times since `t` (the store recovered
 /// without being reopened); the time it took.
 async fn wait_probes_succeed(probes: &[&Probe], t: Instant, n: usize, what: &str) -> Duration {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while probes.iter().any(|p| p.successes_since(t) < n) {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: a store did not recover within 120s (successes since: {:?}; last errors: {:?})",
-            probes.iter().map(|p| p.successes_since(t)).collect::<Vec<_>>(),
-            probes.iter().map(|p| p.log.lock().expect("probe log").errors.last().cloned().map(|e| e.1)).collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_ok(&format!("{what}: every store recovers"), Duration::from_secs(120), Duration::from_millis(50), || {
+        let recovered = !probes.iter().any(|p| p.successes_since(t) < n);
+        let state = (!recovered).then(|| {
+            format!(
+                "successes since: {:?}; last errors: {:?}",
+                probes.iter().map(|p| p.successes_since(t)).collect::<Vec<_>>(),
+                probes.iter().map(|p| p.log.lock().expect("probe log").errors.last().cloned().map(|e| e.1)).collect::<Vec<_>>()
+            )
+        });
+        async move { state.map_or(Ok(()), Err) }
+    })
+    .await;
     t.elapsed()
 }
 
@@ -246,7 +243,6 @@ static FRESH_READ_FAILURES: std::sync::atomic::AtomicUsize = std::sync::atomic::
 /// Wait until etcd's records hold `n` more allocations than now (progress in the burst),
 /// reading through a fresh store each time.
 async fn wait_progress(fx: &Fixture, n: usize, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(120);
     // (A read that fails — a member down, a connection refused — counts as no progress.)
     let count = || async {
         let read = async { EtcdStore::open(&fx.etcd_config(), fx.cidrs.clone()).await.map_err(|e| e.to_string())?.allocated().await.map_err(|e| e.to_string()) };
@@ -262,10 +258,11 @@ async fn wait_progress(fx: &Fixture, n: usize, what: &str) {
         }
     };
     let base = count().await;
-    while count().await < base + n {
-        assert!(Instant::now() < deadline, "{what}: fewer than {n} allocations recorded in 120s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let count = &count;
+    eventually_some(&format!("{what}: {n} more allocations recorded"), Duration::from_secs(120), Duration::from_millis(100), move || async move {
+        (count().await >= base + n).then_some(())
+    })
+    .await
 }
 
 /// A fault injected and the time it lasted, for the figures.
@@ -390,20 +387,19 @@ async fn etcd_backend_survives_member_faults_of_a_three_member_etcd() {
     let key = clusterip::store::etcd::range_key(&fx.prefix, &cidr);
     let mut listed = BTreeSet::new();
     for ep in &endpoints {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let (map, pools) = loop {
+        let (key, cidr) = (&key, &cidr);
+        // (No pause between attempts: each times out on its own.)
+        let (map, pools) = eventually_some(&format!("member {ep} answers"), Duration::from_secs(60), Duration::ZERO, move || async move {
             let read = async {
                 let mut c = etcd_client::Client::connect([ep.clone()], None).await.ok()?;
                 let value = c.get(key.clone(), None).await.ok()?.kvs().first()?.value().to_vec();
-                let pools = c.get(clusterip::store::etcd::pool::pool_prefix(&key), Some(etcd_client::GetOptions::new().with_prefix())).await.ok()?;
+                let pools = c.get(clusterip::store::etcd::pool::pool_prefix(key), Some(etcd_client::GetOptions::new().with_prefix())).await.ok()?;
                 let listed: BTreeSet<IpAddr> = pools.kvs().iter().flat_map(|kv| clusterip::store::etcd::pool::decode_pool(kv.value())).collect();
-                Some((clusterip::alloc::AllocationMap::restore(&cidr, &value).ok()?, listed))
+                Some((clusterip::alloc::AllocationMap::restore(cidr, &value).ok()?, listed))
             };
-            if let Ok(Some(r)) = tokio::time::timeout(Duration::from_secs(10), read).await {
-                break r;
-            }
-            assert!(Instant::now() < deadline, "member {ep} did not answer within 60s");
-        };
+            tokio::time::timeout(Duration::from_secs(10), read).await.ok().flatten()
+        })
+        .await;
         let lost: Vec<_> = acknowledged.iter().filter(|ip| !map.has(**ip)).collect();
         assert!(lost.is_empty(), "{} acknowledged allocations missing from the map on member {ep}, e.g. {:?}", lost.len(), &lost[..lost.len().min(5)]);
         listed.extend(pools.intersection(&acknowledged).copied());
@@ -413,18 +409,18 @@ async fn etcd_backend_survives_member_faults_of_a_three_member_etcd() {
     // store lost the lease (it forgets its pool then, and does not rewrite the key): they
     // read as free until the lease expires (30 s TTL). Wait for that, and say how long.
     let readers_from = Instant::now();
-    let deadline = readers_from + Duration::from_secs(120);
-    let recorded: BTreeSet<IpAddr> = loop {
-        let read = async { EtcdStore::open(&fx.etcd_config(), fx.cidrs.clone()).await.ok()?.allocated().await.ok() };
-        if let Ok(Some(a)) = tokio::time::timeout(Duration::from_secs(10), read).await {
-            let a: BTreeSet<IpAddr> = a.into_iter().collect();
-            if acknowledged.is_subset(&a) {
-                break a;
-            }
-            assert!(Instant::now() < deadline, "{} acknowledged allocations still read as free 120s after the run", acknowledged.difference(&a).count());
+    let (fixture, acked) = (&fx, &acknowledged);
+    let recorded: BTreeSet<IpAddr> = eventually_ok("every acknowledged allocation reads as allocated after the run", Duration::from_secs(120), Duration::from_millis(500), move || async move {
+        let read = async { EtcdStore::open(&fixture.etcd_config(), fixture.cidrs.clone()).await.ok()?.allocated().await.ok() };
+        let Ok(Some(a)) = tokio::time::timeout(Duration::from_secs(10), read).await else { return Err("no read through a fresh store".to_string()) };
+        let a: BTreeSet<IpAddr> = a.into_iter().collect();
+        if acked.is_subset(&a) {
+            Ok(a)
+        } else {
+            Err(format!("{} acknowledged allocations still read as free", acked.difference(&a).count()))
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    })
+    .await;
     eprintln!(
         "RESULT fresh stores: {} reads through a newly opened store (all endpoints) failed during the run",
         FRESH_READ_FAILURES.load(std::sync::atomic::Ordering::Relaxed)

@@ -20,13 +20,13 @@ mod controller_common;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clusterip::cidr::{Family, ServiceCidr};
 use clusterip::store::etcd::{owner_key, range_key, EtcdConfig, EtcdStore};
 use clusterip::store::etcd::pool::{claim_key, decode_pool, pool_member, pool_prefix};
 use clusterip::store::{record_missing, AllocationStore, ParentRef, StoreError};
-use clusterip_test_support::{control_plane, local_get, unique_name, ControlPlane};
+use clusterip_test_support::{control_plane, eventually_ok, eventually_some, local_get, unique_name, ControlPlane};
 use controller_common::{client_auth_args, controller_args, metric, Controller};
 use etcd_client::GetOptions;
 
@@ -40,28 +40,30 @@ async fn get(port: u16, path: &str) -> (u16, String) {
 
 /// Poll `/readyz` until `want(code, body)`; the last answer.
 async fn readyz_until(ctl: &Controller, what: &str, limit: Duration, want: impl Fn(u16, &str) -> bool) -> (u16, String) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let (code, body) = get(ctl.metrics_port, "/readyz").await;
+    let (port, want) = (ctl.metrics_port, &want);
+    eventually_ok(&format!("/readyz: {what}"), limit, Duration::from_millis(200), move || async move {
+        let (code, body) = get(port, "/readyz").await;
         if want(code, &body) {
-            return (code, body);
+            Ok((code, body))
+        } else {
+            Err(format!("last answer {code} {body:?}\n{}", ctl.log()))
         }
-        assert!(Instant::now() < deadline, "/readyz: {what} not seen within {limit:?}; last answer {code} {body:?}\n{}", ctl.log());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await
 }
 
 /// Poll `/metrics` until `series` has the value `want`.
 async fn metric_until(ctl: &Controller, series: &str, want: f64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (_, text) = get(ctl.metrics_port, "/metrics").await;
+    let port = ctl.metrics_port;
+    eventually_ok(&format!("{series} becomes {want}"), Duration::from_secs(60), Duration::from_millis(200), move || async move {
+        let (_, text) = get(port, "/metrics").await;
         if metric(&text, series) == Some(want) {
-            return;
+            Ok(())
+        } else {
+            Err(format!("last scrape:\n{}", text.lines().filter(|l| l.contains("unreadable")).collect::<Vec<_>>().join("\n")))
         }
-        assert!(Instant::now() < deadline, "{series} never became {want}; last scrape:\n{}", text.lines().filter(|l| l.contains("unreadable")).collect::<Vec<_>>().join("\n"));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await
 }
 
 fn start_controller(cp: &ControlPlane, backend: &str, name: &str) -> Controller {
@@ -150,15 +152,12 @@ async fn a_stale_claim_does_not_block_a_pooled_address() {
     let mut client = etcd(&cp).await;
     // Replica A keeps a pool; B (like `clusterip allocate`) has none.
     let a = EtcdStore::open(&etcd_config(&cp, &prefix, 16), vec![cidr.clone()]).await.expect("open A");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let listed = loop {
-        let listed = pooled(&mut client, &key).await;
-        if a.pool_ready() && listed.len() >= 2 {
-            break listed;
-        }
-        assert!(Instant::now() < deadline, "replica A's pool did not fill within 60s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let (etcd, key_ref, store_a) = (&client, &key, &a);
+    let listed = eventually_some("replica A's pool fills", Duration::from_secs(60), Duration::from_millis(100), move || async move {
+        let listed = pooled(&mut etcd.clone(), key_ref).await;
+        (store_a.pool_ready() && listed.len() >= 2).then_some(listed)
+    })
+    .await;
     let mut it = listed.iter().copied();
     let (answered, misaddressed) = (it.next().expect("an address"), it.next().expect("another"));
     let member = pool_member(
@@ -223,14 +222,14 @@ async fn a_corrupt_allocation_map_fails_closed_until_repair_rebuilds_it() {
         Err(StoreError::Corrupt { record, .. }) => assert!(record.contains(&key), "{record}"),
         other => panic!("allocate_next on a corrupt map: {other:?}"),
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match store.allocate(some_free, None).await {
-            Err(StoreError::Corrupt { .. }) => break,
-            other => assert!(Instant::now() < deadline, "allocate on a corrupt map: {other:?}"),
+    let running = &store;
+    eventually_ok("allocate on a corrupt map fails as Corrupt", Duration::from_secs(60), Duration::from_millis(100), move || async move {
+        match running.allocate(some_free, None).await {
+            Err(StoreError::Corrupt { .. }) => Ok(()),
+            other => Err(format!("{other:?}")),
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
     let owned_one = *owned.iter().next().expect("owned");
     assert!(matches!(store.release_owned(owned_one, &gateway).await, Err(StoreError::Corrupt { .. })));
     assert!(matches!(store.allocated().await, Err(StoreError::Corrupt { .. })), "allocated() answered from a stale copy");
@@ -274,17 +273,13 @@ async fn a_corrupt_allocation_map_fails_closed_until_repair_rebuilds_it() {
         assert!(recorded.contains(ip), "owned {ip} lost by the rebuild");
     }
     let pool_after = pooled(&mut client, &key).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match store.allocate_next(Family::IPv4, None).await {
-            Ok(ip) => {
-                assert!(!owned.contains(&ip) && !pool_before.contains(&ip) && !pool_after.contains(&ip), "{ip} handed out again");
-                break;
-            }
-            Err(e) => assert!(Instant::now() < deadline, "the running store did not recover within 60s: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (running, owned_ref, pool_before_ref, pool_after_ref) = (&store, &owned, &pool_before, &pool_after);
+    eventually_ok("the running store recovers", Duration::from_secs(60), Duration::from_millis(100), move || async move {
+        let ip = running.allocate_next(Family::IPv4, None).await?;
+        assert!(!owned_ref.contains(&ip) && !pool_before_ref.contains(&ip) && !pool_after_ref.contains(&ip), "{ip} handed out again");
+        Ok::<_, StoreError>(())
+    })
+    .await;
     for _ in 0..50 {
         let ip = fresh.allocate_next(Family::IPv4, None).await.expect("allocate after the rebuild");
         assert!(!owned.contains(&ip) && !pool_before.contains(&ip) && !pool_after.contains(&ip), "{ip} handed out again");
@@ -308,11 +303,12 @@ async fn a_corrupt_owner_record_keeps_its_address_until_it_is_readable() {
     let good = read_key(&mut client, &okey).await.0;
     client.put(okey.as_str(), b"{garbage".to_vec(), None).await.expect("put garbage");
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !store.unreadable().iter().any(|u| u.kind == "owner" && u.record == okey) {
-        assert!(Instant::now() < deadline, "the garbled owner record was never reported: {:?}", store.unreadable());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually_ok("the garbled owner record is reported", Duration::from_secs(60), Duration::from_millis(100), || {
+        let unreadable = store.unreadable();
+        let reported = unreadable.iter().any(|u| u.kind == "owner" && u.record == okey);
+        async move { if reported { Ok(()) } else { Err(format!("{unreadable:?}")) } }
+    })
+    .await;
     // Held: no unowned release, no release by the real owner, no second allocation.
     assert!(matches!(store.release(ip).await, Err(StoreError::Corrupt { .. })));
     assert!(matches!(store.release_owned(ip, &gateway).await, Err(StoreError::Corrupt { .. })));
@@ -323,11 +319,11 @@ async fn a_corrupt_owner_record_keeps_its_address_until_it_is_readable() {
 
     // The documented way back: write the owner's parentRef again (or delete the key).
     client.put(okey.as_str(), good, None).await.expect("restore the owner record");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !store.unreadable().is_empty() {
-        assert!(Instant::now() < deadline, "still reported: {:?}", store.unreadable());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually_ok("the restored owner record is no longer reported", Duration::from_secs(60), Duration::from_millis(100), || {
+        let unreadable = store.unreadable();
+        async move { if unreadable.is_empty() { Ok(()) } else { Err(format!("still reported: {unreadable:?}")) } }
+    })
+    .await;
     store.release_owned(ip, &gateway).await.expect("the owner releases it");
     let _ = client.delete(prefix.as_str(), Some(etcd_client::DeleteOptions::new().with_prefix())).await;
 }
@@ -357,19 +353,20 @@ async fn garbled_ipaddress_objects_are_counted_and_hold_their_address() {
         client.put(format!("/registry/ipaddresses/{n}"), value.as_str(), None).await.expect("write an IPAddress into the apiserver's etcd");
     }
     let api: kube::Api<k8s_openapi::api::networking::v1::IPAddress> = kube::Api::all(cp.client().await);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
+    let (api, bad_name) = (&api, &bad_name);
+    eventually_ok("the apiserver serves the injected IPAddresses", Duration::from_secs(120), Duration::from_millis(200), move || async move {
         let listed = api.list_metadata(&Default::default()).await;
         let names: BTreeSet<String> = match &listed {
             Ok(l) => l.items.iter().filter_map(|o| o.metadata.name.clone()).collect(),
             Err(_) => BTreeSet::new(),
         };
-        if names.contains(&bad_name) && names.contains(held) {
-            break;
+        if names.contains(bad_name) && names.contains(held) {
+            Ok(())
+        } else {
+            Err(format!("{:?}", listed.map(|_| names)))
         }
-        assert!(Instant::now() < deadline, "the apiserver does not serve the injected IPAddresses: {:?}", listed.map(|_| names));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
 
     // The controller starts, is ready, and counts the one it cannot read.
     let mut args = controller_args(&cp, "ipaddress", "198.18.46.0/24", &name, "default", &name, &cp.kubeconfig());

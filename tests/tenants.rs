@@ -72,6 +72,7 @@ async fn probes_scrapes_and_admission_are_answered_while_tenants_hold_every_conn
             Ok(Err(e)) => failures.push(format!("round {round}: admission call failed: {e}")),
             Err(_) => failures.push(format!("round {round}: admission not answered within 5s")),
         }
+        // (Rounds at a rate, not a wait: one every 500 ms.)
         tokio::time::sleep(Duration::from_millis(500).saturating_sub(started.elapsed())).await;
     }
     assert!(failures.is_empty(), "{} failed calls while the tenant held its connections:\n{}\n{}", failures.len(), failures.join("\n"), c.log());

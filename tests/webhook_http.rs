@@ -13,7 +13,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clusterip::store::AllocationStore;
-use clusterip_test_support::{control_plane, unique_name, ControlPlane};
+use clusterip_test_support::poll::POLL;
+use clusterip_test_support::{control_plane, eventually, eventually_ok, unique_name, wait_ok, wait_within, within, ControlPlane};
 use controller_common::admission_client::{allowed, post_head, post_raw, review, tls_client, tls_connect};
 use controller_common::{apiserver_client_cert, client_auth_args, metric, Controller};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -49,11 +50,8 @@ fn start(cp: &ControlPlane, cert: &Path, key: &Path, extra: &[&str]) -> (Control
         &key,
     ];
     let c = Controller::start(args.iter().copied().chain(auth.iter().map(String::as_str)).chain(extra.iter().copied()));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while http_get(c.metrics_port, "/readyz").0 != 200 {
-        assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", c.log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let ready = wait_within(Duration::from_secs(120), Duration::from_millis(100), || (http_get(c.metrics_port, "/readyz").0 == 200).then_some(()));
+    assert!(ready.is_some(), "controller not ready within 120s:\n{}", c.log());
     (c, prefix)
 }
 
@@ -397,8 +395,9 @@ async fn sigterm_drains_readyz_503_requests_in_flight_answered_exit_0() {
 
     // A stream of admissions (validations: they hold no address, so the range never fills),
     // each on a connection of its own, until connecting fails.
+    let streamed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let stream = {
-        let connector = connector.clone();
+        let (connector, streamed) = (connector.clone(), streamed.clone());
         tokio::spawn(async move {
             let mut answers = Vec::new();
             for i in 0.. {
@@ -407,35 +406,34 @@ async fn sigterm_drains_readyz_503_requests_in_flight_answered_exit_0() {
                     Ok(a) => answers.push(a),
                     Err(_) => return answers,
                 }
+                streamed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // (A stream at a rate, not a wait: one admission every 10 ms at most.)
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             answers
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await; // (let the stream begin; not relied on)
+    let streamed = &streamed;
+    eventually("the stream has begun (an answer)", Duration::from_secs(60), move || async move { streamed.load(std::sync::atomic::Ordering::SeqCst) > 0 }).await;
     c.signal(libc::SIGTERM);
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (code, text) = http_get(c.metrics_port, "/readyz");
-        if code == 503 {
-            assert_eq!(text, "shutting down");
-            break;
+    let (metrics_port, log) = (c.metrics_port, &c);
+    let text = eventually_ok("/readyz turns 503 after SIGTERM", Duration::from_secs(60), POLL, move || async move {
+        match http_get(metrics_port, "/readyz") {
+            (503, text) => Ok(text),
+            (code, text) => Err(format!("still {code} {text:?}:\n{}", log.log())),
         }
-        assert!(Instant::now() < deadline, "/readyz still {code} {text:?} 60s after SIGTERM:\n{}", c.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
+    assert_eq!(text, "shutting down");
     assert_eq!(http_get(c.metrics_port, "/healthz"), (200, "ok".to_string()), "liveness during the drain");
     // During the shutdown delay, requests are answered as usual.
     let answer = post_raw(&connector, port, "/mutate", review("delay", "delay", serde_json::json!({"ports": [{"port": 80}]})).to_string().as_bytes()).await;
     assert!(answer.as_deref().is_ok_and(allowed), "a request during the shutdown delay: {answer:?}\n{}", c.log());
 
     // After the delay the listener closes: connecting fails.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-        assert!(Instant::now() < deadline, "the webhook still accepts connections 60s after SIGTERM:\n{}", c.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let closed = within(Duration::from_secs(60), Duration::from_millis(100), move || async move { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err().then_some(()) }).await;
+    assert!(closed.is_some(), "the webhook still accepts connections 60s after SIGTERM:\n{}", c.log());
     // The request in flight all along is answered.
     in_flight.write_all(rest).await.expect("the rest of the body");
     let mut answer = Vec::new();
@@ -495,12 +493,11 @@ async fn accept_failures_back_off_and_serving_resumes() {
     for _ in 0..32 {
         held.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect (the kernel queues it)"));
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while failures(&c.log()) < 3 {
-        assert!(Instant::now() < deadline, "no accept failure logged within 60s:\n{}", c.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let controller = &c;
+    let logged = within(Duration::from_secs(60), Duration::from_millis(100), move || async move { (failures(&controller.log()) >= 3).then_some(()) }).await;
+    assert!(logged.is_some(), "no accept failure logged within 60s:\n{}", c.log());
     let first = Instant::now();
+    // Time is the subject: how many failures the back-off logs in these 3 s.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let log = c.log();
     assert!(log.contains("Too many open files"), "{log}");
@@ -515,14 +512,14 @@ async fn accept_failures_back_off_and_serving_resumes() {
     drop(held);
     let connector = tls_client(&cp);
     let body = review("after-emfile", "after-emfile", serde_json::json!({"ports": [{"port": 80}]})).to_string();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match post_raw(&connector, port, "/mutate", body.as_bytes()).await {
-            Ok(a) if allowed(&a) => break,
-            other => assert!(Instant::now() < deadline, "not answering 60s after descriptors were freed: {other:?}\n{}", c.log()),
+    let (connector, body, controller) = (&connector, &body, &c);
+    eventually_ok("an answer after descriptors were freed", Duration::from_secs(60), Duration::from_millis(200), move || async move {
+        match post_raw(connector, port, "/mutate", body.as_bytes()).await {
+            Ok(a) if allowed(&a) => Ok(()),
+            other => Err(format!("{other:?}\n{}", controller.log())),
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
 }
 
 #[test]
@@ -545,13 +542,12 @@ fn a_rotated_serving_certificate_is_served_without_a_restart() {
     std::fs::rename(dir.path().join("tls.key.new"), &key).expect("rename");
     std::fs::rename(dir.path().join("tls.crt.new"), &crt).expect("rename");
     let want = file_fingerprint(&second_crt);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    wait_ok(&format!("the rotated certificate {want} served"), Duration::from_secs(30), Duration::from_millis(200), || {
         let got = served_fingerprint(&cp, c.webhook_port);
         if got == want {
-            break;
+            Ok(())
+        } else {
+            Err(format!("still serving {got}"))
         }
-        assert!(Instant::now() < deadline, "still serving {got} 30s after the rotation (want {want})");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    });
 }

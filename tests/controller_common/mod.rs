@@ -17,9 +17,10 @@ pub mod admission_client;
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use clusterip_test_support::{die_with_parent, local_get, owned_temp_dir, ControlPlane};
+use clusterip_test_support::poll::POLL;
+use clusterip_test_support::{die_with_parent, local_get, owned_temp_dir, wait_ok, wait_within, within, ControlPlane};
 
 /// `--client-ca-file` and `--allowed-client-names` accepting the kube-apiserver's client
 /// certificate for webhooks (and nothing else).
@@ -106,21 +107,20 @@ impl Controller {
             .stderr(file);
         let child = die_with_parent(&mut cmd).spawn().expect("start clusterip controller");
         let mut c = Controller { child, webhook_port: 0, metrics_port: 0, health_port: 0, dir };
-        let deadline = Instant::now() + Duration::from_secs(180);
-        loop {
-            let text = c.log();
+        let line = wait_ok("the controller to start (its start-up line)", Duration::from_secs(180), POLL, || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
             if let Some(line) = text.lines().find(|l| l.contains(STARTED)) {
-                c.webhook_port = port_of(line, "webhook=");
-                c.metrics_port = port_of(line, "metrics=");
-                c.health_port = port_of(line, "health=");
-                return c;
+                return Ok(line.to_string());
             }
             if let Ok(Some(status)) = c.child.try_wait() {
                 panic!("the controller exited ({status}) before it started:\n{text}");
             }
-            assert!(Instant::now() < deadline, "the controller did not start within 180s:\n{text}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            Err(format!("its log:\n{text}"))
+        });
+        c.webhook_port = port_of(&line, "webhook=");
+        c.metrics_port = port_of(&line, "metrics=");
+        c.health_port = port_of(&line, "health=");
+        c
     }
 
     /// What the controller logged so far.
@@ -142,16 +142,7 @@ impl Controller {
 
     /// The exit status once the process has exited, or None if it still runs after `limit`.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_within(limit, POLL, || self.child.try_wait().ok().flatten())
     }
 
     /// SIGKILL, as a crash.
@@ -162,14 +153,9 @@ impl Controller {
 
     /// Wait until GET /readyz on the health-probe port answers 200.
     pub async fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some((200, _)) = local_get(self.health_port, "/readyz").await {
-                return;
-            }
-            assert!(Instant::now() < deadline, "controller not ready within 120s:\n{}", self.log());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let port = self.health_port;
+        let ready = within(Duration::from_secs(120), Duration::from_millis(100), move || async move { matches!(local_get(port, "/readyz").await, Some((200, _))).then_some(()) }).await;
+        assert!(ready.is_some(), "controller not ready within 120s:\n{}", self.log());
     }
 }
 

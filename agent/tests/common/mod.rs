@@ -31,7 +31,7 @@ use std::os::fd::AsRawFd;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -39,7 +39,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
 
 #[allow(unused_imports)] // each test binary uses some
-pub use clusterip_test_support::{die_with_parent, in_netns, ip, ns_sh, ns_try, sa, sh, short_name, wait_for, Netns};
+pub use clusterip_test_support::{die_with_parent, in_netns, ip, ns_sh, ns_try, sa, sh, short_name, wait_for, wait_ok, wait_within, Netns};
 
 pub const TCP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
@@ -360,12 +360,8 @@ impl Agent {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
             libc::kill(self.child.id() as i32, libc::SIGCONT);
         }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if wait_within(Duration::from_secs(30), Duration::from_millis(20), || self.child.try_wait().ok().flatten()).is_some() {
+            return;
         }
         let _ = self.child.kill();
         let _ = self.child.wait();

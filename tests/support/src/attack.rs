@@ -100,6 +100,7 @@ impl Attack {
                             }
                             closed.fetch_add(1, Ordering::Relaxed);
                         }
+                        // (The attack's pace, not a wait.)
                         tokio::time::sleep(RECONNECT_AFTER).await;
                     }
                 }));
@@ -117,6 +118,7 @@ impl Attack {
                 self.tasks.push(tokio::spawn(async move {
                     loop {
                         hold_silent(src, dst, &opened, &closed).await;
+                        // (The attack's pace, not a wait.)
                         tokio::time::sleep(RECONNECT_AFTER).await;
                     }
                 }));

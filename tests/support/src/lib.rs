@@ -30,7 +30,7 @@ pub mod poll;
 
 pub use net::{http_get, ip, local_get, sa};
 pub use netns::{in_netns, ns_sh, ns_try, sh, short_name, Netns};
-pub use poll::{eventually, wait_for, wait_until};
+pub use poll::{eventually, eventually_ok, eventually_some, wait_for, wait_ok, wait_until, wait_within, within};
 
 use std::collections::HashMap;
 use std::os::unix::process::CommandExt;
@@ -373,14 +373,14 @@ pub async fn free_leftover(client: &kube::Client, ip: &str, is_leftover: impl Fn
     use k8s_openapi::api::core::v1::Service;
     use k8s_openapi::api::networking::v1::IPAddress;
     use kube::api::{Api, DeleteParams};
-    let addrs: Api<IPAddress> = Api::all(client.clone());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") {
+    let (addrs, is_leftover) = (&Api::<IPAddress>::all(client.clone()), &is_leftover);
+    eventually_ok(&format!("{ip} is free"), std::time::Duration::from_secs(60), std::time::Duration::from_millis(100), move || async move {
+        let Some(rec) = addrs.get_opt(ip).await.expect("read IPAddress") else { return Ok(()) };
         let p = rec.spec.parent_ref;
         let ns = p.namespace.clone().unwrap_or_default();
         assert!(p.resource == "services" && is_leftover(&p), "{ip} is held by {}/{ns}/{}, not by an earlier run of this test", p.resource, p.name);
         let _ = Api::<Service>::namespaced(client.clone(), &ns).delete(&p.name, &DeleteParams::default()).await;
-        assert!(std::time::Instant::now() < deadline, "{ip} still held 60s after deleting the leftover {ns}/{}", p.name);
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+        Err(format!("still held after deleting the leftover {ns}/{}", p.name))
+    })
+    .await
 }

@@ -1,0 +1,41 @@
+//! Hundreds of concurrent creates through two replicas: every one answered, no address twice.
+
+use std::collections::BTreeSet;
+
+use kube::api::PostParams;
+
+use clusterip_test_support::control_plane;
+
+use crate::harness::*;
+
+async fn concurrent_creates(backend: &str, n: usize, slice: Slice) {
+    let _one_at_a_time = BURST.lock().await;
+    let cp = control_plane();
+    // Two replicas behind a round-robin proxy, as the Deployment runs them.
+    let wh = Webhook::start_with(&cp, backend, slice, |h| h.replicas(2)).await;
+    let api = wh.services();
+    let results = futures::future::join_all((0..n).map(|i| {
+        let api = api.clone();
+        async move { api.create(&PostParams::default(), &service(&format!("burst-{i}"), |_| {})).await }
+    }))
+    .await;
+    let mut seen = BTreeSet::new();
+    for r in results {
+        let svc = r.expect("every concurrent create succeeds");
+        for ip in ips(&svc) {
+            assert!(wh.in_dynamic_band(ip), "{ip} outside our dynamic band");
+            assert!(seen.insert(ip), "{ip} assigned twice");
+        }
+    }
+    assert_eq!(seen.len(), n);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_500_concurrent_creates() {
+    concurrent_creates("etcd", 500, Slice(3)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_500_concurrent_creates() {
+    concurrent_creates("ipaddress", 500, Slice(4)).await;
+}

@@ -19,7 +19,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::cidr::ServiceCidr;
 use crate::k8s::{self, servicecidr};
@@ -61,9 +61,20 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
         last_transition_time: Time(Timestamp::now()),
         observed_generation: None,
     };
-    let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "status": {"conditions": [cond]}});
-    api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
-    Ok(())
+    // Decided on this version of the object: the write carries its resourceVersion as a
+    // precondition, so a decision made on a stale copy (the watch behind a write of
+    // kube-controller-manager's, which set the same condition) is refused instead of
+    // rewriting the object; the watch then brings the current one, which needs nothing.
+    let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"resourceVersion": sc.metadata.resource_version}, "status": {"conditions": [cond]}});
+    match api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            debug!(servicecidr = %name, "ServiceCIDR changed since it was read; judging the current version instead");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Addresses in use that only `sc` covers: IPAddress objects and our own records.

@@ -82,8 +82,6 @@ use crate::k8s::lease::holder as holder_of;
 use super::apiserver_ips::ApiserverIps;
 use crate::store::fold::Change;
 use crate::store::{AllocationStore, ParentRef, RangeSet, RangeUsage, StoreError};
-
-type Acquiring = Arc<tokio::sync::Mutex<()>>;
 use crate::sync::lock;
 
 pub mod book;
@@ -97,6 +95,9 @@ mod tests;
 use book::{Book, GiveBack, Need, Next, LEAD_BLOCKS};
 use client::{BlockApi, Bounded, CallError, KubeBlockApi};
 pub use layout::*;
+
+/// The lock one range's block acquisitions take turns on.
+type Acquiring = Arc<tokio::sync::Mutex<()>>;
 
 /// How long `/readyz` waits for the kube-apiserver (the Deployment's probe gives up after 2 s).
 const READY_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -724,8 +725,8 @@ impl BlockStore {
     /// ranges of the cluster's ServiceCIDR objects by object name, each with whether it
     /// gives new addresses: Ready and not being deleted). A range of both kinds always gives
     /// addresses. Ranges new to this replica get blocks of their own on first need; a range
-    /// that no longer gives addresses keeps answering for the addresses it has (a static
-    /// request names one, a release) only while it is still listed, and its blocks go back.
+    /// that no longer gives addresses refuses new and requested addresses alike, and its
+    /// blocks go back once none of their picks is in flight.
     pub fn set_servicecidrs<'a>(&self, servicecidrs: impl IntoIterator<Item = &'a [(ServiceCidr, bool)]>) {
         let wanted = crate::store::wanted_ranges(&self.flag_ranges, servicecidrs);
         let size = self.size;

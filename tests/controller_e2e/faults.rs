@@ -163,9 +163,12 @@ async fn ipaddress_backend_three_replicas_under_faults() {
 
     // 1. A block Lease of replica 0 deleted.
     let held_by = |l: &Lease, who: &str| l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()).is_some_and(|h| h.starts_with(&format!("{who}/")));
+    // The block Leases of this test's range only: every controller_e2e test keeps its blocks
+    // in `default`, with replicas named as these.
+    let ours = |l: &Lease| l.metadata.annotations.as_ref().and_then(|a| a.get(clusterip::store::ipaddress::blocks::RANGE_ANNOTATION)).is_some_and(|r| *r == range.to_string());
     let block_leases = || {
         let leases = leases.clone();
-        async move { leases.list(&ListParams::default().labels(clusterip::store::ipaddress::blocks::BLOCK_LABEL)).await.expect("list block Leases").items }
+        async move { leases.list(&ListParams::default().labels(clusterip::store::ipaddress::blocks::BLOCK_LABEL)).await.expect("list block Leases").items.into_iter().filter(ours).collect::<Vec<_>>() }
     };
     let victim = clusterip_test_support::poll::eventually_some("replica 0 holds a block", Duration::from_secs(60), Duration::from_millis(200), || {
         let f = block_leases();

@@ -149,12 +149,16 @@ pub fn spawn_allocators(fx: &Fixture, procs: usize, count: usize, concurrency: u
         .collect()
 }
 
-/// Wait for allocator processes and parse what they printed.
+/// Wait for allocator processes and parse what they printed. Every child's output is read
+/// at once, each on a thread of its own: read one after another, a child whose stderr
+/// filled its pipe (64 KiB of warnings while an apiserver restarts) blocked until the ones
+/// before it ended, and the run hung (found by `scripts/test-soak.sh`).
 pub fn collect(children: Vec<Child>) -> Vec<Run> {
-    children
+    let readers: Vec<_> = children.into_iter().map(|c| std::thread::spawn(move || c.wait_with_output())).collect();
+    readers
         .into_iter()
-        .map(|c| {
-            let out = c.wait_with_output().expect("allocator output");
+        .map(|r| {
+            let out = r.join().expect("the reader thread").expect("allocator output");
             let stdout = String::from_utf8_lossy(&out.stdout);
             Run {
                 success: out.status.success(),

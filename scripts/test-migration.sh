@@ -205,8 +205,8 @@ only_tables() { # NODE kube-proxy|clusterip
     clusterip) grep -q 'table ip clusterip' <<< "$t" && ! grep -q 'table ip kube-proxy' <<< "$t" ;;
   esac || { log "$1: tables $(tr '\n' ' ' <<< "$t"), want only $2's"; return 1; }
 }
-pod_on() { # APP-LABEL NODE: the name of that pod on that node, if Ready
-  k -n kube-system get pods -l "$1" --field-selector "spec.nodeName=$2" -o jsonpath='{range .items[?(@.status.containerStatuses[0].ready==true)]}{.metadata.name}{end}'
+ready_pod_on() { # APP-LABEL NODE: a pod of that label is Ready on that node
+  [ -n "$(k -n kube-system get pods -l "$1" --field-selector "spec.nodeName=$2" -o jsonpath='{range .items[?(@.status.containerStatuses[0].ready==true)]}{.metadata.name}{end}')" ]
 }
 no_pod_on() { [ -z "$(k -n kube-system get pods -l "$1" --field-selector "spec.nodeName=$2" -o name)" ]; }
 
@@ -234,7 +234,7 @@ k -n kube-system rollout status daemonset/kube-proxy --timeout=180s >&2 || die "
 for n in "${NODES[@]}"; do
   k label node "$n" "$LABEL=clusterip-agent" >/dev/null || die "labelling $n"
   until_ok 120 no_pod_on k8s-app=kube-proxy "$n" || die "kube-proxy's pod did not leave $n"
-  until_ok 180 sh -c "[ -n \"\$($node kubectl -n kube-system get pods -l app.kubernetes.io/name=clusterip-agent --field-selector spec.nodeName=$n -o jsonpath='{range .items[?(@.status.containerStatuses[0].ready==true)]}{.metadata.name}{end}')\" ]" || die "the agent not Ready on $n"
+  until_ok 180 ready_pod_on app.kubernetes.io/name=clusterip-agent "$n" || die "the agent not Ready on $n"
   on_node "kube-proxy-cleanup" "$n" "registry.k8s.io/kube-proxy:v$K8S_VERSION" /usr/local/bin/kube-proxy --cleanup >/dev/null || die "kube-proxy --cleanup on $n"
   only_tables "$n" clusterip || die "tables on $n after the switch"
   checkpoint "3 replace on $n"
@@ -263,7 +263,7 @@ for ((i = ${#NODES[@]} - 1; i >= 0; i--)); do
   n=${NODES[$i]}
   k label node "$n" "$LABEL-" >/dev/null || die "unlabelling $n"
   until_ok 120 no_pod_on app.kubernetes.io/name=clusterip-agent "$n" || die "the agent did not leave $n"
-  until_ok 180 sh -c "[ -n \"\$($node kubectl -n kube-system get pods -l k8s-app=kube-proxy --field-selector spec.nodeName=$n -o jsonpath='{range .items[?(@.status.containerStatuses[0].ready==true)]}{.metadata.name}{end}')\" ]" || die "kube-proxy not Ready on $n"
+  until_ok 180 ready_pod_on k8s-app=kube-proxy "$n" || die "kube-proxy not Ready on $n"
   on_node "clusterip-agent-cleanup" "$n" clusterip-agent:dev /usr/local/bin/clusterip-agent --cleanup >/dev/null || die "clusterip-agent --cleanup on $n"
   only_tables "$n" kube-proxy || die "tables on $n after the rollback"
   checkpoint "4 roll back $n"

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::alloc::AllocError;
 use crate::cidr::{Family, ServiceCidr};
 
-pub use ranges::{families_of, servicecidr_ranges, wanted_ranges, RangeSet};
+pub use ranges::{families_of, servicecidr_ranges, wanted_ranges, watch_servicecidrs, RangeSet};
 
 /// Where allocation records live: the backends a controller runs with. `as_str()` is the
 /// name logs, metrics and reports give it (and `--backend` takes).

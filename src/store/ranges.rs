@@ -1,8 +1,10 @@
 //! Which configured range an address or family request goes to.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use k8s_openapi::api::networking::v1::ServiceCIDR;
+use kube::Api;
 
 use crate::alloc::AllocError;
 use crate::cidr::{Family, ServiceCidr};
@@ -67,6 +69,27 @@ pub fn families_of(ranges: &[ServiceCidr]) -> Vec<Family> {
 pub fn servicecidr_ranges(obj: &ServiceCIDR) -> Vec<(ServiceCidr, bool)> {
     let allocatable = crate::k8s::servicecidr::allocatable(obj);
     crate::k8s::servicecidr::ranges(obj).into_iter().map(|c| (c, allocatable)).collect()
+}
+
+/// The cluster's ServiceCIDR objects by name, each as its ranges ([`servicecidr_ranges`]):
+/// watched until the task ends, `on` called with the whole set after every change — the
+/// first call once the first list is in.
+pub async fn watch_servicecidrs(api: Api<ServiceCIDR>, mut on: impl FnMut(&BTreeMap<String, Vec<(ServiceCidr, bool)>>)) {
+    let mut objects = BTreeMap::new();
+    let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), servicecidr_ranges(obj));
+    super::fold::fold(api, "ServiceCIDR", read, move |change| {
+        match change {
+            super::fold::Change::Replace(list) => objects = list.into_iter().collect(),
+            super::fold::Change::Apply((name, ranges)) => {
+                objects.insert(name, ranges);
+            }
+            super::fold::Change::Delete((name, _)) => {
+                objects.remove(&name);
+            }
+        }
+        on(&objects);
+    })
+    .await
 }
 
 /// The ranges a store allocates from, in the order it tries them, each with whether it

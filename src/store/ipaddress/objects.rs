@@ -424,21 +424,10 @@ async fn watch_ipaddresses(api: Api<IPAddress>, state: Arc<Mutex<State>>, manage
 }
 
 async fn watch_servicecidrs(api: Api<ServiceCIDR>, state: Arc<Mutex<State>>, flag_ranges: Vec<ServiceCidr>, changed: watch::Sender<()>) {
-    let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), crate::store::servicecidr_ranges(obj));
-    fold(api, "ServiceCIDR", read, |change| {
+    crate::store::watch_servicecidrs(api, |objects| {
         let mut st = lock(&state);
-        match change {
-            Change::Replace(list) => {
-                st.from_servicecidrs = list.into_iter().collect();
-                st.synced_servicecidrs = true;
-            }
-            Change::Apply((name, ranges)) => {
-                st.from_servicecidrs.insert(name, ranges);
-            }
-            Change::Delete((name, _)) => {
-                st.from_servicecidrs.remove(&name);
-            }
-        }
+        st.from_servicecidrs = objects.clone();
+        st.synced_servicecidrs = true;
         st.rebuild_ranges(&flag_ranges);
         drop(st);
         changed.send_replace(());

@@ -540,12 +540,16 @@ impl Book {
     pub fn choose_idle(&mut self, recorded: &HashSet<IpAddr>, now: Moment) -> Vec<(String, Lease)> {
         let mut out = Vec::new();
         // A range that no longer gives addresses: every block of it with nothing in flight.
-        for h in self.held.iter_mut().filter(|h| !self.order.contains(&h.range) && !h.returning) {
-            let cidr = &self.cidrs[h.range];
-            if !self.pending.keys().any(|ip| !recorded.contains(ip) && h.span.covers(cidr, *ip)) {
-                h.returning = true;
-                out.push((h.name.clone(), h.lease.clone()));
-            }
+        let retired: Vec<usize> = (0..self.held.len())
+            .filter(|&i| {
+                let h = &self.held[i];
+                !self.allocatable(h.range) && !h.returning && !self.in_flight(recorded, &self.cidrs[h.range], &h.span)
+            })
+            .collect();
+        for i in retired {
+            let h = &mut self.held[i];
+            h.returning = true;
+            out.push((h.name.clone(), h.lease.clone()));
         }
         for range in self.order.clone() {
             let cidr = &self.cidrs[range];

@@ -703,10 +703,6 @@ impl BlockStore {
         done
     }
 
-    fn in_our_ranges(&self, ip: IpAddr) -> bool {
-        lock(&self.book).allocatable_cidrs().iter().any(|c| c.contains(ip))
-    }
-
     /// Range `range` (the book's index).
     fn cidr(&self, range: usize) -> ServiceCidr {
         lock(&self.book).cidr(range).clone()
@@ -754,25 +750,11 @@ impl BlockStore {
     pub async fn follow_servicecidrs(self: &Arc<Self>, api: Api<ServiceCIDR>, within: Duration) -> Result<(), StoreError> {
         let (synced_tx, mut synced) = tokio::sync::watch::channel(false);
         let weak = Arc::downgrade(self);
-        lock(&self.tasks).spawn(async move {
-            let mut objects: std::collections::BTreeMap<String, Vec<(ServiceCidr, bool)>> = Default::default();
-            let read = |obj: &ServiceCIDR| (obj.metadata.name.clone().unwrap_or_default(), crate::store::servicecidr_ranges(obj));
-            crate::store::fold::fold(api, "ServiceCIDR", read, move |change| {
-                match change {
-                    Change::Replace(list) => objects = list.into_iter().collect(),
-                    Change::Apply((name, ranges)) => {
-                        objects.insert(name, ranges);
-                    }
-                    Change::Delete((name, _)) => {
-                        objects.remove(&name);
-                    }
-                }
-                let Some(me) = weak.upgrade() else { return };
-                me.set_servicecidrs(objects.values().map(Vec::as_slice));
-                synced_tx.send_replace(true);
-            })
-            .await
-        });
+        lock(&self.tasks).spawn(crate::store::watch_servicecidrs(api, move |objects| {
+            let Some(me) = weak.upgrade() else { return };
+            me.set_servicecidrs(objects.values().map(Vec::as_slice));
+            synced_tx.send_replace(true);
+        }));
         let listed = tokio::time::timeout(within, synced.wait_for(|s| *s)).await.is_ok_and(|r| r.is_ok());
         if listed {
             Ok(())
@@ -902,7 +884,8 @@ impl AllocationStore for BlockStore {
     async fn allocated(&self) -> Result<Vec<IpAddr>, StoreError> {
         let mut all: Vec<IpAddr> = self.recorded.snapshot();
         all.extend(lock(&self.book).held_addresses());
-        all.retain(|ip| self.in_our_ranges(*ip));
+        let ranges = lock(&self.book).allocatable_cidrs();
+        all.retain(|ip| ranges.iter().any(|c| c.contains(*ip)));
         all.sort();
         all.dedup();
         Ok(all)

@@ -26,6 +26,10 @@ async fn failed_creates_pin_nothing(backend: &str, slice: Slice) {
             let invalid = service(&format!("invalid-{round}-{i}"), |s| s.ports = Some(vec![ServicePort { port: 0, ..Default::default() }]));
             match api.create(&PostParams::default(), &invalid).await {
                 Err(kube::Error::Api(e)) if e.code == 422 && e.message.contains("spec.ports[0].port") => failed += 1,
+                Err(kube::Error::Api(e)) if e.message.contains("already allocated") => {
+                    let ip = e.message.split('"').nth(3).and_then(|s| s.parse().ok()).expect("the refused address in the message");
+                    panic!("round {round}: a dynamic answer refused as taken ({}); {}", e.message, who_holds(&wh.client, ip).await)
+                }
                 other => panic!("round {round}: expected the apiserver's 422 on spec.ports[0].port, got {other:?}"),
             }
         }

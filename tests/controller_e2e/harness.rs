@@ -364,3 +364,33 @@ pub async fn released_by_apiserver(c: &Controller) -> usize {
 pub async fn wait_released(c: &Controller, n: usize, what: &str) {
     eventually(what, Duration::from_secs(60), || async move { released_by_apiserver(c).await >= n }).await;
 }
+
+/// Who records `ip` right now, for a failure message: the IPAddress object's parentRef,
+/// labels, creation time and writers, and the Events that name the address (the
+/// kube-apiserver's repair controller and ours post them when they create or delete one).
+pub async fn who_holds(client: &Client, ip: IpAddr) -> String {
+    use k8s_openapi::api::events::v1::Event;
+    use k8s_openapi::api::networking::v1::IPAddress;
+    let name = ip.to_string();
+    let object = match Api::<IPAddress>::all(client.clone()).get_opt(&name).await {
+        Ok(Some(o)) => {
+            let p = &o.spec.parent_ref;
+            let parent = format!("{}/{}/{}", p.resource, p.namespace.clone().unwrap_or_default(), p.name);
+            let writers: Vec<String> = o.metadata.managed_fields.iter().flatten().map(|m| format!("{} at {:?}", m.manager.clone().unwrap_or_default(), m.time.as_ref().map(|t| t.0))).collect();
+            format!("IPAddress {name}: parentRef {parent}, labels {:?}, created {:?}, writers {writers:?}", o.metadata.labels.unwrap_or_default(), o.metadata.creation_timestamp.map(|t| t.0))
+        }
+        Ok(None) => format!("IPAddress {name}: none now"),
+        Err(e) => format!("IPAddress {name}: unreadable ({e})"),
+    };
+    let names_it = |note: &str| note.split(|c: char| !(c.is_ascii_hexdigit() || c == '.' || c == ':')).any(|w| w == name);
+    let events = match Api::<Event>::all(client.clone()).list(&ListParams::default()).await {
+        Ok(list) => list
+            .items
+            .into_iter()
+            .filter(|e| e.note.as_deref().is_some_and(names_it))
+            .map(|e| format!("{:?} {} {}: {}", e.event_time.map(|t| t.0), e.reporting_controller.unwrap_or_default(), e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect::<Vec<_>>(),
+        Err(e) => vec![format!("(events unreadable: {e})")],
+    };
+    format!("{object}; Events naming it: {events:?}")
+}

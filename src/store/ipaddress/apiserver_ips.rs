@@ -7,8 +7,18 @@
 //! decision must not be made on a stale picture, callers read the IPAddress itself from the
 //! apiserver (`ApiserverIps::recorded_now`; `blocks.rs` lists them before answering from a
 //! block; docs/backends.md, "Decisions on a possibly stale view").
+//!
+//! The view also remembers, for [`SETTLE`], when each address left it ([`Released`]): the
+//! kube-apiserver's own repair controller may create a just-deleted Service's IPAddress
+//! again in the moments after the delete (its Service and IPAddress informers are separate
+//! watches; when the IPAddress's deletion reaches it before the Service's, the Service looks
+//! unrecorded and is "repaired", Event `ClusterIPNotAllocated`). A dynamic answer of that
+//! address in that moment is refused by the apiserver as "provided IP is already
+//! allocated" — stock itself would just try its next candidate, which an answer we gave
+//! cannot do. So dynamic picks take settled addresses first (`blocks::Book::pick`).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::ops::Deref;
 use std::net::IpAddr;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::Duration;
@@ -18,6 +28,7 @@ use kube::api::{Api, PartialObjectMeta};
 use tokio::sync::{broadcast, watch};
 use tracing::warn;
 
+use crate::clock::{Clock, Moment};
 use crate::k8s;
 
 use crate::store::fold::{fold, Change};
@@ -44,10 +55,69 @@ const RECORDED_NOW_TIMEOUT: Duration = Duration::from_secs(4);
 /// `broadcast::error::RecvError::Lagged`).
 const CHANGES_BUFFER: usize = 4096;
 
+/// How long an address that left the view counts as settling: a dynamic pick takes it only
+/// when no settled address is free (module docs). Far above the moments the apiserver's
+/// repair controller needs to create it again; costs nothing while a range has room.
+pub const SETTLE: Duration = Duration::from_secs(30);
+
+/// When addresses left the view, for [`SETTLE`] after.
+#[derive(Debug, Default)]
+pub struct Released {
+    at: HashMap<IpAddr, Moment>,
+    /// The same, oldest first, to forget them in order (an address released twice is
+    /// queued twice; only its latest moment is kept in `at`).
+    order: VecDeque<(Moment, IpAddr)>,
+}
+
+impl Released {
+    /// `ip` left the view at `now`.
+    pub fn note(&mut self, ip: IpAddr, now: Moment) {
+        self.at.insert(ip, now);
+        self.order.push_back((now, ip));
+        while let Some(&(t, old)) = self.order.front() {
+            if now.saturating_duration_since(t) < SETTLE {
+                break;
+            }
+            self.order.pop_front();
+            if self.at.get(&old) == Some(&t) {
+                self.at.remove(&old);
+            }
+        }
+    }
+
+    /// When `ip` left the view, if less than [`SETTLE`] before `now`.
+    pub fn settling_since(&self, ip: IpAddr, now: Moment) -> Option<Moment> {
+        self.at.get(&ip).copied().filter(|t| now.saturating_duration_since(*t) < SETTLE)
+    }
+
+    /// Addresses remembered (settling, or settled and not yet forgotten).
+    pub fn len(&self) -> usize {
+        self.at.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.at.is_empty()
+    }
+}
+
+/// What the view holds: the recorded addresses, and when others left it.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    pub addresses: HashSet<IpAddr>,
+    pub released: Released,
+}
+
+impl Deref for Recorded {
+    type Target = HashSet<IpAddr>;
+    fn deref(&self) -> &HashSet<IpAddr> {
+        &self.addresses
+    }
+}
+
 /// A watch-fed set of IPAddress names.
 #[derive(Clone)]
 pub struct ApiserverIps {
-    set: Arc<RwLock<HashSet<IpAddr>>>,
+    set: Arc<RwLock<Recorded>>,
     /// Names of IPAddress objects that are not canonical addresses: they hold nothing a
     /// Service could ask for, but are reported (log, `clusterip_allocator_unreadable_records`).
     bad: Arc<RwLock<BTreeSet<String>>>,
@@ -58,11 +128,14 @@ pub struct ApiserverIps {
     changes: broadcast::Sender<IpChange>,
     /// For reads from storage; None for a fixed view.
     api: Option<Api<IPAddress>>,
+    /// When addresses leave the view: the clock of the blocks' protocol (`BlockStore`),
+    /// which compares these moments with its own.
+    clock: Arc<dyn Clock>,
 }
 
 impl Default for ApiserverIps {
     fn default() -> Self {
-        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), changes: broadcast::Sender::new(CHANGES_BUFFER), api: None }
+        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), changes: broadcast::Sender::new(CHANGES_BUFFER), api: None, clock: crate::clock::system() }
     }
 }
 
@@ -76,6 +149,7 @@ impl ApiserverIps {
         let me = Self { api: Some(Api::all(client.clone())), ..Self::default() };
         let (tx, rx) = watch::channel(false);
         let (set, bad, added, changes) = (me.set.clone(), me.bad.clone(), me.added.clone(), me.changes.clone());
+        let clock = me.clock.clone();
         let task = tokio::spawn(async move {
             let api: Api<PartialObjectMeta<IPAddress>> = Api::all(client);
             // The address an object's name records, or the name that records none.
@@ -92,7 +166,15 @@ impl ApiserverIps {
                             Err(name) => names.insert(name),
                         };
                     }
-                    *write(&set) = ips;
+                    {
+                        let now = clock.now();
+                        let mut view = write(&set);
+                        let gone: Vec<IpAddr> = view.addresses.difference(&ips).copied().collect();
+                        for ip in gone {
+                            view.released.note(ip, now);
+                        }
+                        view.addresses = ips;
+                    }
                     for name in &names {
                         warn_unreadable(name);
                     }
@@ -103,7 +185,7 @@ impl ApiserverIps {
                 }
                 Change::Apply(Ok(ip)) => {
                     // (An update of an object already seen is not an addition.)
-                    if write(&set).insert(ip) {
+                    if write(&set).addresses.insert(ip) {
                         let _ = changes.send(IpChange::Added(ip));
                     }
                     added.send_modify(|n| *n += 1);
@@ -113,7 +195,16 @@ impl ApiserverIps {
                     write(&bad).insert(name);
                 }
                 Change::Delete(Ok(ip)) => {
-                    if write(&set).remove(&ip) {
+                    let now = clock.now();
+                    let removed = {
+                        let mut view = write(&set);
+                        let removed = view.addresses.remove(&ip);
+                        if removed {
+                            view.released.note(ip, now);
+                        }
+                        removed
+                    };
+                    if removed {
                         let _ = changes.send(IpChange::Deleted(ip));
                     }
                 }
@@ -136,7 +227,23 @@ impl ApiserverIps {
     /// For tools that judge against one picture, and for tests that hold a replica's view
     /// back to reproduce a lagging watch.
     pub fn fixed(addresses: impl IntoIterator<Item = IpAddr>) -> Self {
-        Self { set: Arc::new(RwLock::new(addresses.into_iter().collect())), ..Self::default() }
+        Self { set: Arc::new(RwLock::new(Recorded { addresses: addresses.into_iter().collect(), released: Released::default() })), ..Self::default() }
+    }
+
+    /// A fixed view whose releases ([`Self::remove`]) are timed on `clock`.
+    #[cfg(test)]
+    pub fn with_clock(self, clock: Arc<dyn Clock>) -> Self {
+        Self { clock, ..self }
+    }
+
+    /// The view loses `ip` as the watch's delete would (for tests of a fixed view).
+    #[cfg(test)]
+    pub fn remove(&self, ip: IpAddr) {
+        let now = self.clock.now();
+        let mut view = write(&self.set);
+        if view.addresses.remove(&ip) {
+            view.released.note(ip, now);
+        }
     }
 
     /// Whether the apiserver records `ip` right now, read from storage: a GET without a
@@ -156,16 +263,16 @@ impl ApiserverIps {
         read(&self.set).contains(&ip)
     }
 
-    /// The recorded addresses, read-locked until the guard drops: for a caller that asks
-    /// about many addresses at once (one lock instead of one per address). Hold it briefly;
-    /// the watch waits for it to apply what it receives.
-    pub fn view(&self) -> RwLockReadGuard<'_, HashSet<IpAddr>> {
+    /// The recorded addresses (and when others left), read-locked until the guard drops:
+    /// for a caller that asks about many addresses at once (one lock instead of one per
+    /// address). Hold it briefly; the watch waits for it to apply what it receives.
+    pub fn view(&self) -> RwLockReadGuard<'_, Recorded> {
         read(&self.set)
     }
 
     /// Every recorded address, for seeding a backend.
     pub fn snapshot(&self) -> Vec<IpAddr> {
-        read(&self.set).iter().copied().collect()
+        read(&self.set).addresses.iter().copied().collect()
     }
 
     /// Every change to the view from now on, one address at a time, in the apiserver's
@@ -210,5 +317,26 @@ mod tests {
         held.abort();
         let r = r.expect("recorded_now waited 60 s for an apiserver that never answers");
         assert!(matches!(&r, Err(StoreError::Unavailable(_))), "{r:?}");
+    }
+
+    /// A released address settles after [`SETTLE`], and what is remembered stays bounded by
+    /// what was released within it.
+    #[test]
+    fn released_addresses_settle_and_are_forgotten() {
+        let ip = |n: u8| IpAddr::from([198, 19, 0, n]);
+        let mut r = Released::default();
+        r.note(ip(1), Moment::ZERO);
+        let later = Moment::ZERO + Duration::from_secs(10);
+        r.note(ip(2), later);
+        assert_eq!(r.settling_since(ip(1), later), Some(Moment::ZERO));
+        assert_eq!(r.settling_since(ip(3), later), None);
+        let settled = Moment::ZERO + SETTLE;
+        assert_eq!(r.settling_since(ip(1), settled), None, "settled after SETTLE");
+        assert_eq!(r.settling_since(ip(2), settled), Some(later));
+        // Released again: the latest moment counts, and the first one is forgotten in turn.
+        r.note(ip(2), settled);
+        r.note(ip(4), settled + SETTLE / 2);
+        assert_eq!(r.len(), 2, "ip 1 and the first release of ip 2 forgotten");
+        assert_eq!(r.settling_since(ip(2), settled + SETTLE / 2), Some(settled));
     }
 }

@@ -16,6 +16,9 @@ use super::layout::{block_of, blocks_overlapping, foreign_span, free_block, leas
 use crate::cidr::{Family, ServiceCidr};
 use crate::clock::Moment;
 use crate::k8s::lease::{holder, Observation, Renewal};
+use crate::store::ipaddress::apiserver_ips::Released;
+#[cfg(doc)]
+use crate::store::ipaddress::apiserver_ips::SETTLE;
 use crate::store::ParentRef;
 
 /// A replica takes another block of a range, ahead of need, once its usable blocks of the
@@ -250,24 +253,40 @@ impl Book {
         true
     }
 
-    /// Pick a free address of range `range` from a usable block. Returns the address and
-    /// whether the replica runs low: less than [`LEAD_BLOCKS`] whole blocks' worth left in
-    /// its usable blocks of the range, so the next block is taken while these still answer.
-    pub fn pick(&mut self, range: usize, parent: Option<&ParentRef>, recorded: &HashSet<IpAddr>, now: Moment) -> (Option<IpAddr>, bool) {
+    /// Pick a free address of range `range` from a usable block: a settled one (none that
+    /// left the view within [`SETTLE`]) from each block's cursor on, else the one that left
+    /// the view longest ago (`apiserver_ips`: the kube-apiserver's repair controller may
+    /// record a just-released address again in the moments after). Returns the address and
+    /// whether the replica runs low: less than [`LEAD_BLOCKS`] whole blocks' worth of
+    /// settled addresses left in its usable blocks of the range, so the next block is taken
+    /// while these still answer.
+    pub fn pick(&mut self, range: usize, parent: Option<&ParentRef>, recorded: &HashSet<IpAddr>, released: &Released, now: Moment) -> (Option<IpAddr>, bool) {
         if !self.allocatable(range) {
             return (None, false);
         }
         let cidr = &self.cidrs[range];
+        let settled = |ip: &IpAddr| released.settling_since(*ip, now).is_none();
         let mut chosen = None;
         for (i, h) in self.held.iter().enumerate() {
             if h.range != range || !self.usable(h, now) {
                 continue;
             }
             let (first, len, cursor) = (h.span.first, h.span.end - h.span.first, h.cursor);
-            chosen = (0..len).map(|k| first + (cursor - first + k) % len).find_map(|off| cidr.ip_at(off).filter(|ip| !self.taken(recorded, *ip)).map(|ip| (i, off, ip)));
+            chosen = (0..len).map(|k| first + (cursor - first + k) % len).find_map(|off| cidr.ip_at(off).filter(|ip| settled(ip) && !self.taken(recorded, *ip)).map(|ip| (i, off, ip)));
             if chosen.is_some() {
                 break;
             }
+        }
+        if chosen.is_none() {
+            // Every free address is settling: the one released longest ago.
+            chosen = self
+                .held
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| h.range == range && self.usable(h, now))
+                .flat_map(|(i, h)| (h.span.first..h.span.end).filter_map(move |off| cidr.ip_at(off).map(|ip| (i, off, ip))))
+                .filter(|(_, _, ip)| !self.taken(recorded, *ip))
+                .min_by_key(|(_, _, ip)| released.settling_since(*ip, now));
         }
         if let Some((i, off, ip)) = chosen {
             let h = &mut self.held[i];
@@ -275,14 +294,14 @@ impl Book {
             h.last_pick = now;
             self.pending.insert(ip, Pending { parent: parent.cloned() });
         }
-        let low = !self.has_free(recorded, range, now, None, LEAD_BLOCKS * self.sizes[range]);
+        let low = !self.has_free(recorded, range, now, None, LEAD_BLOCKS * self.sizes[range], &settled);
         (chosen.map(|c| c.2), low)
     }
 
     /// Whether the usable blocks of `range` (all but the one named `except`) have at least
-    /// `want` free addresses. Counting stops at `want`, so an answer looks at about one
-    /// block's worth of addresses, not at every address the replica holds.
-    fn has_free(&self, recorded: &HashSet<IpAddr>, range: usize, now: Moment, except: Option<&str>, want: u64) -> bool {
+    /// `want` free addresses that `count`s. Counting stops at `want`, so an answer looks at
+    /// about one block's worth of addresses, not at every address the replica holds.
+    fn has_free(&self, recorded: &HashSet<IpAddr>, range: usize, now: Moment, except: Option<&str>, want: u64, count: &dyn Fn(&IpAddr) -> bool) -> bool {
         let cidr = &self.cidrs[range];
         let mut found = 0;
         for h in self.held.iter().filter(|h| h.range == range && self.usable(h, now) && Some(h.name.as_str()) != except) {
@@ -290,7 +309,7 @@ impl Book {
                 if found >= want {
                     return true;
                 }
-                if cidr.ip_at(off).is_some_and(|ip| !self.taken(recorded, ip)) {
+                if cidr.ip_at(off).is_some_and(|ip| count(&ip) && !self.taken(recorded, ip)) {
                     found += 1;
                 }
             }
@@ -558,7 +577,7 @@ impl Book {
                     && self.usable(h, now)
                     && now.saturating_duration_since(h.last_pick) >= self.lease_duration
                     && !self.in_flight(recorded, cidr, &h.span)
-                    && self.has_free(recorded, range, now, Some(&h.name), LEAD_BLOCKS * self.sizes[range])
+                    && self.has_free(recorded, range, now, Some(&h.name), LEAD_BLOCKS * self.sizes[range], &|_| true)
             });
             if let Some(i) = idle {
                 let h = &mut self.held[i];

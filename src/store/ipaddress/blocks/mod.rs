@@ -309,7 +309,7 @@ impl BlockStore {
         // One read of the view for the whole pick: the watch writes to it while a burst's
         // IPAddresses arrive, and a pick looks at up to every address of its blocks.
         let recorded = self.recorded.view();
-        book.pick(range, parent, &recorded, now)
+        book.pick(range, parent, &recorded.addresses, &recorded.released, now)
     }
 
     /// Take one more block of `range` (see [`Book::next_block`]). Ok(false) when every

@@ -359,3 +359,25 @@ async fn a_stopped_holders_block_of_an_overlapping_range_is_deleted_not_adopted(
     assert!(late.iter().any(|ip| range().contains(*ip)), "the stopped holder's addresses never came back: {late:?}");
     assert!(!late.contains(&x), "{x}, answered by A and recorded, answered again");
 }
+
+/// A dynamic pick takes an address that left the view a moment ago (a Service deleted just
+/// now, whose IPAddress the kube-apiserver's repair controller may create again) only when
+/// no settled address is free, and then the one that left longest ago.
+#[tokio::test(start_paused = true)]
+async fn a_just_released_address_is_picked_last_and_the_longest_released_first() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let all = addresses_of("b-0", 16);
+    let settled = all[10];
+    let view = ApiserverIps::fixed(all.iter().copied().filter(|ip| *ip != settled)).with_clock(Arc::new(clock.clone()));
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, view.clone()).await;
+    for ip in [all[3], all[1], all[7]] {
+        view.remove(ip);
+        clock.advance(s(1));
+    }
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        got.push(a.allocate_next(Family::IPv4, Some(&parent("web"))).await.expect("a free address"));
+    }
+    assert_eq!(got, vec![settled, all[3], all[1], all[7]]);
+    assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("web"))).await));
+}

@@ -3,8 +3,8 @@
 //! as the controller opens it), Gateway-owned addresses recorded under the old range stay
 //! held under the new one, nothing is given twice, no map key is left behind, and a shrink
 //! whose removed part still holds an address is refused. A /26 → /25 keeps it under a
-//! second; the full-size figure (/17 → /16, 50 Gateways, 2,000 creates through
-//! controllers) is not run yet (docs/reliability.md, "Changing the service range").
+//! second. The same change through controllers, both backends:
+//! `tests/controller_e2e/range_change.rs` (docs/reliability.md, "Changing the service range").
 
 mod store_common;
 

@@ -66,10 +66,13 @@ pub struct Webhook {
     slice: Slice,
     /// The ranges the controllers assign from ([`Harness::ranges`]).
     pub ranges: Vec<String>,
+    /// How the replicas were started (for [`Self::add_replica`]).
+    harness: Harness,
 }
 
 /// How a test's webhook is set up: [`Harness::new`] gives the defaults, which a test
 /// changes in its tweak closure.
+#[derive(Clone)]
 pub struct Harness {
     backend: String,
     slice: Slice,
@@ -176,7 +179,7 @@ impl Webhook {
         let webhook_port = proxy.local_addr().expect("proxy address").port();
         let (routes, routed) = tokio::sync::watch::channel(ports.clone());
         tokio::spawn(round_robin(proxy, routed));
-        let wh = Webhook { children, ports, routes, name: name.clone(), namespace: name.clone(), client: client.clone(), slice, ranges: h.ranges };
+        let wh = Webhook { children, ports, routes, name: name.clone(), namespace: name.clone(), client: client.clone(), slice, ranges: h.ranges.clone(), harness: h };
 
         let ca = std::fs::read(pki.join("ca.crt")).expect("dev CA");
         use base64::Engine as _;
@@ -202,6 +205,21 @@ impl Webhook {
         let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": {"clusterip.allocator/e2e": name}}})).expect("namespace");
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create namespace");
         wh
+    }
+
+    /// One more replica, configured as the others but with `ranges` (a rolling update's new
+    /// `--service-cidr`): identity replica-`i`, on the first replica's apiserver, ready but
+    /// routed only once [`Self::route_only`] names it. Returns its index `i`.
+    pub async fn add_replica(&mut self, cp: &ControlPlane, ranges: &[String]) -> usize {
+        let i = self.children.len();
+        let mut h = self.harness.clone();
+        h.ranges = ranges.to_vec();
+        h.kubeconfigs = vec![self.harness.kubeconfigs[0].clone(); i + 1];
+        let c = spawn_controller(cp, &h, &self.name, i);
+        c.wait_ready().await;
+        self.ports.push(c.webhook_port);
+        self.children.push(c);
+        i
     }
 
     pub fn services(&self) -> Api<Service> {

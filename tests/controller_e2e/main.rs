@@ -27,5 +27,6 @@ mod faults;
 mod ha_apiservers;
 mod lifecycle;
 mod pool;
+mod range_change;
 mod reconciler;
 mod servicecidr;

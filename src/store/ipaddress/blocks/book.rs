@@ -531,21 +531,29 @@ impl Book {
     }
 
     /// Choose a block of `range` to hand over: usable, with free addresses and no pick in
-    /// flight — the one with the most room — while another usable block of the range keeps
+    /// flight — the one `asked` for, else the one with the most room — while another usable block of the range keeps
     /// room, or when nothing was picked from it for [`HANDOVER_IDLE`]. No pick is made from
     /// it from now on; returns its name and Lease for the give-back.
-    pub fn choose_hand_over(&mut self, range: usize, recorded: &HashSet<IpAddr>, now: Moment) -> Option<(String, Lease)> {
+    pub fn choose_hand_over(&mut self, range: usize, asked: Option<&str>, recorded: &HashSet<IpAddr>, now: Moment) -> Option<(String, Lease)> {
         let cidr = &self.cidrs[range];
         let with_room: Vec<(usize, usize)> = (0..self.held.len())
             .filter(|&i| self.held[i].range == range && self.usable(&self.held[i], now))
             .map(|i| (i, self.held[i].span.free(cidr, |ip| self.taken(recorded, ip))))
             .filter(|(_, f)| *f > 0)
             .collect();
-        let chosen = with_room
+        let eligible: Vec<(usize, usize)> = with_room
             .iter()
             .filter(|(i, _)| !self.in_flight(recorded, cidr, &self.held[*i].span))
             .filter(|(i, _)| with_room.len() > 1 || now.saturating_duration_since(self.held[*i].last_pick) >= HANDOVER_IDLE)
-            .max_by_key(|(_, f)| *f)
+            .copied()
+            .collect();
+        // The block asked for, when it can go: the asker chose it for the addresses it shares
+        // with the asker's range (a replica of a narrower range in a rolling widen shares only
+        // some of ours).
+        let chosen = eligible
+            .iter()
+            .find(|(i, _)| asked == Some(self.held[*i].name.as_str()))
+            .or_else(|| eligible.iter().max_by_key(|(_, f)| *f))
             .map(|(i, _)| *i)?;
         let h = &mut self.held[chosen];
         h.returning = true;

@@ -582,7 +582,7 @@ impl BlockStore {
         let name = lease.metadata.name.clone()?;
         let range = lock(&self.book).take_request(&lease)?;
         let asker = wanted_by(&lease).unwrap_or_default().to_string();
-        let given = self.hand_over(range).await;
+        let given = self.hand_over(range, Some(&name)).await;
         match &given {
             Some(block) => info!(%block, %asker, "handed an address block over to a replica with no room left"),
             None => debug!(block = %name, %asker, "no address block to hand over: each has picks pending, no room, or is the last one in use"),
@@ -594,13 +594,14 @@ impl BlockStore {
         given
     }
 
-    /// Give back the block of `range` the book chooses ([`Book::choose_hand_over`]).
-    async fn hand_over(&self, range: usize) -> Option<String> {
+    /// Give back the block of `range` the book chooses ([`Book::choose_hand_over`]): the one
+    /// `asked` for when it can go.
+    async fn hand_over(&self, range: usize, asked: Option<&str>) -> Option<String> {
         let now = self.now();
         let (name, lease) = {
             let mut book = lock(&self.book);
             let recorded = self.recorded.view();
-            book.choose_hand_over(range, &recorded, now)?
+            book.choose_hand_over(range, asked, &recorded, now)?
         };
         let outcome = self.give_back_lease(&name, &lease).await;
         lock(&self.book).given_back(&name, outcome);

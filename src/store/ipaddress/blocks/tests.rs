@@ -194,7 +194,7 @@ async fn a_hand_over_whose_delete_answer_was_lost_is_not_picked_from_again() {
     let before = a.held_blocks();
     assert_eq!(before.len(), 2);
     api.lose_answer(fake::Call::DeleteLease);
-    assert_eq!(a.hand_over(0).await, None, "the outcome is unknown");
+    assert_eq!(a.hand_over(0, None).await, None, "the outcome is unknown");
     let gone: Vec<String> = before.iter().filter(|n| api.lease(n).is_none()).cloned().collect();
     assert_eq!(gone.len(), 1, "the delete was applied");
     assert!(!a.held_blocks().contains(&gone[0]), "A answers from {}, whose give-back may have been applied", gone[0]);
@@ -380,4 +380,25 @@ async fn a_just_released_address_is_picked_last_and_the_longest_released_first()
     }
     assert_eq!(got, vec![settled, all[3], all[1], all[7]]);
     assert!(is_full(&a.allocate_next(Family::IPv4, Some(&parent("web"))).await));
+}
+
+/// A rolling widen: a replica of the old, narrower range whose blocks are all taken by a
+/// replica of the new range asks for the block it chose (one overlapping its range, with
+/// room), and the holder hands over that block — not its block with the most room, which
+/// may lie outside the asker's range and help it nothing.
+#[tokio::test(start_paused = true)]
+async fn a_hand_over_gives_the_asked_block_to_a_replica_of_a_narrower_range() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let (wide, narrow) = (cidr("198.19.0.128/26"), cidr("198.19.0.160/28"));
+    let w = BlockStore::start(api.clone(), Arc::new(clock.clone()), vec![wide.clone()], ApiserverIps::fixed([]), "replica-w", options(8)).await.expect("start W");
+    while w.acquire_locked(0, Need::Now).await.expect("W takes a block") {}
+    let n = BlockStore::start(api.clone(), Arc::new(clock.clone()), vec![narrow.clone()], ApiserverIps::fixed([]), "replica-n", options(4)).await.expect("start N");
+    assert!(is_full(&n.allocate_next(Family::IPv4, Some(&parent("n"))).await), "N finds no block before a hand-over");
+    let asked: Vec<String> = w.held_blocks().into_iter().filter(|b| api.lease(b).is_some_and(|l| wanted_by(&l) == Some(n.holder().as_str()))).collect();
+    assert_eq!(asked.len(), 1, "N asked for one of W's blocks: {asked:?}");
+    let t = w.tick().await;
+    assert_eq!(t.handed_over, asked, "W hands over the block N asked for");
+    clock.advance(book::HANDOVER_WAIT);
+    let got = n.allocate_next(Family::IPv4, Some(&parent("n"))).await.expect("N answers from the block handed over");
+    assert!(narrow.contains(got), "{got}");
 }

@@ -4,6 +4,17 @@
 # network namespace; invariants checked all along; RSS of every component sampled.
 #
 #   scripts/soak.sh [MINUTES]          MINUTES of churn per backend (default 10)
+#   SOAK_REPLICAS=3 scripts/soak.sh [MINUTES]
+#                                      three ipaddress-backend replicas instead, behind one
+#                                      webhook, under churn (20 creates/s, each Service lives
+#                                      7.5 s) while their faults repeat in rounds: a held block
+#                                      Lease deleted, a replica frozen 1.5 × D, a replica's path
+#                                      to the apiserver black-holed 120 s, one delayed 5 s —
+#                                      take-overs and hand-overs throughout. It is the test
+#                                      controller_e2e::faults::ipaddress_backend_three_replicas_under_faults
+#                                      sized to MINUTES (CLUSTERIP_FAULTS_CREATES = 1200 per
+#                                      minute); its RESULT line counts refusals, duplicates,
+#                                      take-overs and hand-overs (docs/reliability.md).
 #
 # Per backend: a private control plane (scripts/dev-cluster.sh up: etcd, kube-apiserver,
 # the clusterip controller with its webhooks registered, backend CLUSTERIP_BACKEND), the
@@ -48,6 +59,21 @@ minutes=${1:-10}
 [ "$(id -u)" = 0 ] || { echo "soak: must run as root (network namespaces)" >&2; exit 2; }
 run_capped "${SOAK_MEM_MIB:-6144}" "$@"
 run_begin soak
+
+if [ "${SOAK_REPLICAS:-1}" = 3 ]; then
+  logs=$root/target/soak/$(date -u +%Y%m%dT%H%M%S)-$$-replicas
+  mkdir -p "$logs"
+  echo "soak: three replicas under faults for about $minutes min (log: $logs/faults.log)" >&2
+  rc=0
+  CLUSTERIP_FAULTS_CREATES=$((minutes * 1200)) CLUSTERIP_FAULTS_BLACKHOLE_S=120 \
+    scripts/test.sh --test controller_e2e -- faults:: --nocapture > "$logs/faults.log" 2>&1 || rc=$?
+  grep '^RESULT' "$logs/faults.log" || true
+  [ "$rc" = 0 ] || { echo "soak: FAILED (exit $rc); see $logs/faults.log" >&2; exit 1; }
+  exit 0
+elif [ "${SOAK_REPLICAS:-1}" != 1 ]; then
+  echo "soak: SOAK_REPLICAS is 1 (the default) or 3" >&2
+  exit 2
+fi
 
 backends=${SOAK_BACKENDS:-etcd ipaddress}
 rate=${SOAK_RATE:-10}

@@ -68,6 +68,10 @@ async fn answers_again(wh: &Webhook, range: &clusterip::cidr::ServiceCidr, k: us
 /// 4. replica 0's path is delayed by 5 s each way for 30 s (its watch lags by 5 s; every
 ///    answer is 5 s late).
 ///
+/// The four faults repeat, in rounds, until the load is done (one round at the default
+/// size; `CLUSTERIP_FAULTS_CREATES=12000` is a 10-minute soak of three replicas with
+/// take-overs and hand-overs under churn: `scripts/soak.sh`'s `SOAK_REPLICAS=3`).
+///
 /// Checked: no clusterIP on two Services; no dynamic create refused "provided IP is already
 /// allocated"; exactly one of the 50 static creates succeeds; each faulted replica answers
 /// from its blocks again within 30 s of the heal; at the end every block Lease is held by
@@ -160,44 +164,50 @@ async fn ipaddress_backend_three_replicas_under_faults() {
     .await;
 
     let mut took = Vec::new();
-
-    // 1. A block Lease of replica 0 deleted.
-    let held_by = |l: &Lease, who: &str| l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()).is_some_and(|h| h.starts_with(&format!("{who}/")));
     // The block Leases of this test's range only: every controller_e2e test keeps its blocks
     // in `default`, with replicas named as these.
+    let held_by = |l: &Lease, who: &str| l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()).is_some_and(|h| h.starts_with(&format!("{who}/")));
     let ours = |l: &Lease| l.metadata.annotations.as_ref().and_then(|a| a.get(clusterip::store::ipaddress::blocks::RANGE_ANNOTATION)).is_some_and(|r| *r == range.to_string());
     let block_leases = || {
         let leases = leases.clone();
         async move { leases.list(&ListParams::default().labels(clusterip::store::ipaddress::blocks::BLOCK_LABEL)).await.expect("list block Leases").items.into_iter().filter(ours).collect::<Vec<_>>() }
     };
-    let victim = clusterip_test_support::poll::eventually_some("replica 0 holds a block", Duration::from_secs(60), Duration::from_millis(200), || {
-        let f = block_leases();
-        async move { f.await.into_iter().find(|l| held_by(l, "replica-0")).and_then(|l| l.metadata.name) }
-    })
-    .await;
-    leases.delete(&victim, &DeleteParams::default()).await.expect("delete a held block Lease");
-    took.push(("Lease deleted (replica 0)", answers_again(&wh, &range, 0, Instant::now()).await));
 
-    // 2. Replica 1 frozen for 1.5 × D.
-    wh.route_only(&[0, 2]).await;
-    wh.children[1].signal(libc::SIGSTOP);
-    tokio::time::sleep(d * 3 / 2).await; // the fault itself: time frozen
-    wh.children[1].signal(libc::SIGCONT);
-    took.push(("frozen 1.5 × D (replica 1)", answers_again(&wh, &range, 1, Instant::now()).await));
+    // The faults in turn, at least once, and again while the load goes on (a soak:
+    // `CLUSTERIP_FAULTS_CREATES` sets how long).
+    let mut rounds = 0;
+    while rounds == 0 || !load.is_finished() {
+        rounds += 1;
+        // 1. A block Lease of replica 0 deleted.
+        let victim = clusterip_test_support::poll::eventually_some("replica 0 holds a block", Duration::from_secs(60), Duration::from_millis(200), || {
+            let f = block_leases();
+            async move { f.await.into_iter().find(|l| held_by(l, "replica-0")).and_then(|l| l.metadata.name) }
+        })
+        .await;
+        leases.delete(&victim, &DeleteParams::default()).await.expect("delete a held block Lease");
+        took.push(("Lease deleted (replica 0)", answers_again(&wh, &range, 0, Instant::now()).await));
 
-    // 3. Replica 2's path black-holed.
-    proxies[2].set(Path::BlackHole);
-    tokio::time::sleep(Duration::from_secs(10)).await; // the fault itself: readiness not yet failed
-    wh.route_only(&[0, 1]).await;
-    tokio::time::sleep(blackhole.saturating_sub(Duration::from_secs(10))).await; // the fault itself
-    proxies[2].set(Path::Pass);
-    took.push(("black-holed (replica 2)", answers_again(&wh, &range, 2, Instant::now()).await));
+        // 2. Replica 1 frozen for 1.5 × D.
+        wh.route_only(&[0, 2]).await;
+        wh.children[1].signal(libc::SIGSTOP);
+        tokio::time::sleep(d * 3 / 2).await; // the fault itself: time frozen
+        wh.children[1].signal(libc::SIGCONT);
+        took.push(("frozen 1.5 × D (replica 1)", answers_again(&wh, &range, 1, Instant::now()).await));
 
-    // 4. Replica 0's path delayed by 5 s each way for 30 s.
-    proxies[0].set(Path::Delay(Duration::from_secs(5)));
-    tokio::time::sleep(Duration::from_secs(30)).await; // the fault itself
-    proxies[0].set(Path::Pass);
-    took.push(("delayed 5 s for 30 s (replica 0)", answers_again(&wh, &range, 0, Instant::now()).await));
+        // 3. Replica 2's path black-holed.
+        proxies[2].set(Path::BlackHole);
+        tokio::time::sleep(Duration::from_secs(10)).await; // the fault itself: readiness not yet failed
+        wh.route_only(&[0, 1]).await;
+        tokio::time::sleep(blackhole.saturating_sub(Duration::from_secs(10))).await; // the fault itself
+        proxies[2].set(Path::Pass);
+        took.push(("black-holed (replica 2)", answers_again(&wh, &range, 2, Instant::now()).await));
+
+        // 4. Replica 0's path delayed by 5 s each way for 30 s.
+        proxies[0].set(Path::Delay(Duration::from_secs(5)));
+        tokio::time::sleep(Duration::from_secs(30)).await; // the fault itself
+        proxies[0].set(Path::Pass);
+        took.push(("delayed 5 s for 30 s (replica 0)", answers_again(&wh, &range, 0, Instant::now()).await));
+    }
 
     let done = load.await.expect("the load");
     stop.store(true, Ordering::SeqCst);
@@ -249,8 +259,11 @@ async fn ipaddress_backend_three_replicas_under_faults() {
     for f in &failed {
         *kinds.entry(kind(f)).or_insert(0) += 1;
     }
+    // What the protocol did meanwhile, per the replicas' logs.
+    let logged = |needle: &str| wh.children.iter().map(|c| c.log().matches(needle).count()).sum::<usize>();
+    let (takeovers, handovers) = (logged("took over an address block"), logged("handed an address block over"));
     println!(
-        "RESULT faults creates={} ok={} failed={} ({}) refused_already_allocated={} duplicates={} static_ok={} stale_leases={} answered_again_s={}",
+        "RESULT faults rounds={rounds} creates={} ok={} failed={} ({}) refused_already_allocated={} duplicates={} static_ok={} stale_leases={} takeovers={takeovers} handovers={handovers} answered_again_s={}",
         done.len(),
         done.len() - failed.len(),
         failed.len(),

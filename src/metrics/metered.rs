@@ -38,6 +38,7 @@ impl MeteredStore {
     /// Refresh the allocated/available gauges from the store.
     pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
         self.metrics.set_unreadable(&self.unreadable());
+        self.metrics.set_block_events(&self.inner.block_events());
         for u in self.inner.usage().await? {
             self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free, u.pooled);
         }
@@ -57,6 +58,10 @@ impl MeteredStore {
 
 #[async_trait]
 impl AllocationStore for MeteredStore {
+    fn block_events(&self) -> Vec<(&'static str, u64)> {
+        self.inner.block_events()
+    }
+
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }

@@ -18,6 +18,7 @@
 //! | `clusterip_webhook_refused_connections_total` | counter | reason (client_certificate, tls_handshake, handshake_timeout, source_limit, evicted) |
 //! | `clusterip_webhook_released_addresses_total` | counter | reason (apiserver_released: the apiserver recorded the address after our answer and released it again within the in-flight window — the create failed, or the Service was deleted at once; in_flight_limit: never recorded within --in-flight-limit) |
 //! | `clusterip_http_refused_connections_total` | counter | server (metrics, health), reason (source_limit, evicted) |
+//! | `clusterip_address_block_events_total` | counter | event (ipaddress backend, this replica since start: created, taken_over, deleted_stale, handed_over, given_back, lost — `store::ipaddress::blocks::EVENTS`) |
 //! | `clusterip_reconcile_errors_total` | counter | controller |
 //! | `clusterip_repair_ip_errors_total` | counter | type (leak, repair, full, outOfRange, duplicate, unknown, invalid) |
 //! | `clusterip_repair_reconcile_errors_total` | counter | |
@@ -123,6 +124,12 @@ pub struct Metrics {
     pub reconcile_errors: Family<ControllerLabels, Counter>,
     pub repair_ip_errors: Family<RepairLabels, Counter>,
     pub repair_reconcile_errors: Counter,
+    pub address_block_events: Family<EventLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabels {
+    pub event: &'static str,
 }
 
 /// The label values each labelled counter knows in advance (reported at 0 from the start).
@@ -166,6 +173,7 @@ impl Metrics {
             reconcile_errors: Family::default(),
             repair_ip_errors: Family::default(),
             repair_reconcile_errors: Counter::default(),
+            address_block_events: Family::default(),
         };
         let registry = &mut m.registry;
         let alloc = registry.sub_registry_with_prefix("allocator");
@@ -219,6 +227,11 @@ impl Metrics {
             m.http_refused_connections.clone(),
         );
         registry.register("reconcile_errors", "Reconciliation failures, by controller", m.reconcile_errors.clone());
+        registry.sub_registry_with_prefix("address_block").register(
+            "events",
+            "The ipaddress backend's address-block protocol on this replica since it started: blocks created, taken over from a holder that stopped renewing, stale Leases of another range or size deleted, handed over at another replica's request, given back, lost while held",
+            m.address_block_events.clone(),
+        );
         let repair = registry.sub_registry_with_prefix("repair");
         repair.register(
             "ip_errors",
@@ -274,6 +287,17 @@ impl Metrics {
 
     pub fn webhook_refused_connection(&self, reason: &'static str) {
         self.webhook_refused_connections.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// The store's block events (counts since start): each counter raised to its count.
+    pub fn set_block_events(&self, events: &[(&'static str, u64)]) {
+        for (event, n) in events {
+            let c = self.address_block_events.get_or_create(&EventLabels { event });
+            let seen = c.get();
+            if *n > seen {
+                c.inc_by(n - seen);
+            }
+        }
     }
 
     pub fn webhook_released_addresses(&self, reason: &'static str, n: u64) {

@@ -294,6 +294,13 @@ pub trait AllocationStore: Send + Sync {
         Ok(Vec::new())
     }
 
+    /// Counts of the backend's own coordination events since this process started, by
+    /// name (the ipaddress backend's address blocks: `blocks::EVENTS`); empty for
+    /// backends without any.
+    fn block_events(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+
     /// Whether the address is recorded as allocated.
     async fn has(&self, ip: IpAddr) -> Result<bool, StoreError>;
 

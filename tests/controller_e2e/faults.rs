@@ -259,11 +259,17 @@ async fn ipaddress_backend_three_replicas_under_faults() {
     for f in &failed {
         *kinds.entry(kind(f)).or_insert(0) += 1;
     }
-    // What the protocol did meanwhile, per the replicas' logs.
-    let logged = |needle: &str| wh.children.iter().map(|c| c.log().matches(needle).count()).sum::<usize>();
-    let (takeovers, handovers) = (logged("took over an address block"), logged("handed an address block over"));
+    // What the protocol did meanwhile: each replica's `clusterip_address_block_events_total`.
+    let mut events = std::collections::BTreeMap::new();
+    for c in &wh.children {
+        let text = clusterip_test_support::local_get(c.metrics_port, "/metrics").await.map(|(_, b)| b).unwrap_or_default();
+        for e in clusterip::store::ipaddress::blocks::EVENTS {
+            *events.entry(e).or_insert(0.0) += crate::controller_common::metric(&text, &format!("clusterip_address_block_events_total{{event=\"{e}\"}}")).unwrap_or(0.0);
+        }
+    }
+    let (takeovers, handovers) = (events["taken_over"], events["handed_over"]);
     println!(
-        "RESULT faults rounds={rounds} creates={} ok={} failed={} ({}) refused_already_allocated={} duplicates={} static_ok={} stale_leases={} takeovers={takeovers} handovers={handovers} answered_again_s={}",
+        "RESULT faults rounds={rounds} creates={} ok={} failed={} ({}) refused_already_allocated={} duplicates={} static_ok={} stale_leases={} takeovers={takeovers} handovers={handovers} lost={} answered_again_s={}",
         done.len(),
         done.len() - failed.len(),
         failed.len(),
@@ -272,6 +278,7 @@ async fn ipaddress_backend_three_replicas_under_faults() {
         duplicates.len(),
         static_ok,
         stale.len(),
+        events["lost"],
         took.iter().map(|(what, t)| format!("{what}:{:.1}", t.as_secs_f64())).collect::<Vec<_>>().join(",")
     );
     for f in failed.iter().filter(|f| kind(f) == "other").take(10) {

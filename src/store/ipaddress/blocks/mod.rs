@@ -62,6 +62,7 @@
 
 use std::collections::HashSet;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -183,6 +184,31 @@ pub struct BlockStore {
     tasks: Mutex<tokio::task::JoinSet<()>>,
     /// The runtime [`BlockStore::open`] ran on: background work goes there.
     runtime: tokio::runtime::Handle,
+    /// What the protocol did since start ([`AllocationStore::block_events`]).
+    events: Events,
+}
+
+/// Counts of the block protocol's events on this replica since it started, by
+/// [`EVENTS`]' names (`clusterip_address_block_events_total{event}`).
+#[derive(Debug, Default)]
+struct Events([AtomicU64; 6]);
+
+/// The events counted: a block taken by creating its Lease; taken over from a holder that
+/// stopped renewing; a stopped holder's Lease of another range or size deleted; handed over
+/// at another replica's request; given back (idle, retired range, shutdown); lost (taken
+/// over or deleted while held).
+pub const EVENTS: [&str; 6] = ["created", "taken_over", "deleted_stale", "handed_over", "given_back", "lost"];
+
+impl Events {
+    fn count(&self, event: &str) {
+        if let Some(i) = EVENTS.iter().position(|e| *e == event) {
+            self.0[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn read(&self) -> Vec<(&'static str, u64)> {
+        EVENTS.iter().zip(&self.0).map(|(e, n)| (*e, n.load(Ordering::Relaxed))).collect()
+    }
 }
 
 fn now_micro() -> MicroTime {
@@ -253,6 +279,7 @@ impl BlockStore {
             me: weak.clone(),
             tasks: Mutex::default(),
             runtime: tokio::runtime::Handle::current(),
+            events: Events::default(),
         });
         me.observe().await?;
         if let Some(every) = options.renew_every {
@@ -404,6 +431,7 @@ impl BlockStore {
                     return Ok(false);
                 }
                 self.adopt(range, span, lease, sent).await?;
+                self.events.count("created");
                 Ok(true)
             }
             Err(e) if e.code() == Some(409) => Ok(false),
@@ -422,7 +450,10 @@ impl BlockStore {
         let mine = lock(&self.book).own_span(range, name, &seen);
         let Some(span) = mine else {
             match self.api.delete_lease(name, &old).await {
-                Ok(()) => info!(block = %name, %previous, "deleted an address block of another size its holder stopped renewing"),
+                Ok(()) => {
+                    info!(block = %name, %previous, "deleted an address block of another size its holder stopped renewing");
+                    self.events.count("deleted_stale");
+                }
                 Err(e) if matches!(e.code(), Some(404 | 409)) => {}
                 Err(e) => return Err(e.store(&format!("deleting address block {name}"))),
             }
@@ -451,6 +482,7 @@ impl BlockStore {
                 }
                 info!(block = %name, %previous, "took over an address block its holder stopped renewing");
                 self.adopt(range, span, lease, sent).await?;
+                self.events.count("taken_over");
                 Ok(true)
             }
             // Changed meanwhile (renewed, or taken by someone else), or gone.
@@ -584,7 +616,10 @@ impl BlockStore {
         let asker = wanted_by(&lease).unwrap_or_default().to_string();
         let given = self.hand_over(range, Some(&name)).await;
         match &given {
-            Some(block) => info!(%block, %asker, "handed an address block over to a replica with no room left"),
+            Some(block) => {
+                info!(%block, %asker, "handed an address block over to a replica with no room left");
+                self.events.count("handed_over");
+            }
             None => debug!(block = %name, %asker, "no address block to hand over: each has picks pending, no room, or is the last one in use"),
         }
         if given.as_deref() != Some(name.as_str()) {
@@ -630,6 +665,7 @@ impl BlockStore {
                 Renewal::Lost => {
                     warn!(block = %name, "address block lost (taken over or deleted); no longer answering from it");
                     lock(&self.book).drop_block(&name);
+                    self.events.count("lost");
                     result.lost.push(name);
                 }
                 Renewal::Failed => {}
@@ -698,6 +734,7 @@ impl BlockStore {
             let outcome = self.give_back_lease(&name, &lease).await;
             lock(&self.book).given_back(&name, outcome);
             if outcome == GiveBack::Gone {
+                self.events.count("given_back");
                 done.push(name);
             }
         }
@@ -792,6 +829,10 @@ async fn tick_forever(weak: Weak<BlockStore>, every: Duration) {
 
 #[async_trait]
 impl AllocationStore for BlockStore {
+    fn block_events(&self) -> Vec<(&'static str, u64)> {
+        self.events.read()
+    }
+
     fn backend(&self) -> &'static str {
         crate::store::BackendKind::Ipaddress.as_str()
     }
@@ -926,6 +967,7 @@ impl AllocationStore for BlockStore {
         for (name, lease) in chosen {
             if self.give_back_lease(&name, &lease).await == GiveBack::Gone {
                 lock(&self.book).drop_block(&name);
+                self.events.count("given_back");
             }
         }
         Ok(())

@@ -136,6 +136,8 @@ async fn a_holder_hands_over_a_block_with_room_and_no_pick_pending() {
     assert!(asked(&other) || asked(&with_x), "B asked A for a block");
     let t = a.tick().await;
     assert_eq!(t.handed_over, vec![other.clone()], "A hands over its block without a pending pick");
+    let count = |r: &BlockStore, e: &str| r.block_events().into_iter().find(|(n, _)| *n == e).map(|(_, c)| c);
+    assert_eq!((count(&a, "created"), count(&a, "handed_over"), count(&b, "created")), (Some(2), Some(1), Some(2)), "the block events counted (clusterip_address_block_events_total)");
     // (B's next admission finds it once its wait that got nothing is over.)
     clock.advance(book::HANDOVER_WAIT);
     got.extend(drain(&b, "b").await);

@@ -36,6 +36,50 @@ async fn block_leases(leases: &Api<Lease>, range: &ServiceCidr) -> Vec<String> {
         .collect()
 }
 
+/// The Gateways' addresses recorded as a Gateway controller would: an IPAddress object
+/// naming the Gateway (both backends), and for the etcd backend first an owner record in the
+/// controllers' map, as `clusterip allocate --parent` writes it.
+async fn record_gateways(wh: &Webhook, cp: &clusterip_test_support::ControlPlane, backend: &str, gateways: &BTreeMap<IpAddr, ParentRef>) {
+    if backend == "etcd" {
+        let records = wh.records(cp).await;
+        for (ip, parent) in gateways {
+            match records.allocate(*ip, Some(parent)).await {
+                Ok(()) | Err(StoreError::Alloc(AllocError::Allocated)) => {}
+                Err(e) => panic!("record Gateway address {ip} in the map: {e}"),
+            }
+        }
+        let _ = records.close().await;
+    }
+    let ipaddresses: Api<IPAddress> = Api::all(wh.client.clone());
+    for (ip, parent) in gateways {
+        let obj = clusterip::k8s::ipaddress::build(*ip, parent.into(), "gateway-controller.example");
+        match ipaddresses.create(&PostParams::default(), &obj).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {} // left by an earlier run: the same owner
+            Err(e) => panic!("record Gateway address {ip}: {e}"),
+        }
+    }
+}
+
+/// Stop replica `k` as a rollout does (SIGTERM) and wait for a clean exit.
+fn stop(wh: &mut Webhook, k: usize) {
+    wh.children[k].signal(libc::SIGTERM);
+    let status = tokio::task::block_in_place(|| wh.children[k].wait_exit(Duration::from_secs(60)));
+    assert!(status.is_some_and(|s| s.success()), "replica {k} did not stop cleanly within 60 s: {status:?}\n{}", wh.children[k].log());
+}
+
+/// The IPv4 range keys (`<prefix>/<cidr>`) of the etcd backend's map under `prefix`.
+async fn v4_keys(cp: &clusterip_test_support::ControlPlane, prefix: &str) -> BTreeSet<String> {
+    let mut etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("etcd");
+    let resp = etcd.get(prefix, Some(etcd_client::GetOptions::new().with_prefix().with_keys_only())).await.expect("list keys");
+    resp.kvs()
+        .iter()
+        .filter_map(|kv| kv.key_str().ok())
+        .filter(|k| k.strip_prefix(&format!("{prefix}/")).and_then(|rest| ServiceCidr::parse(rest).ok()).is_some_and(|c| c.family() == clusterip::cidr::Family::IPv4))
+        .map(str::to_string)
+        .collect()
+}
+
 /// A widen /22 → /21 as a rolling update: two replicas of the /22 (half of the slice's /21)
 /// with 50 Gateway-owned addresses in its dynamic band (ipaddress backend: IPAddress
 /// objects naming the Gateway, as a Gateway controller writes them; etcd backend: owner
@@ -66,24 +110,7 @@ async fn rolling_widen(backend: &str, slice: Slice) {
 
     // 50 Gateway addresses in the /22's dynamic band (its static band is the first 64).
     let gateways: BTreeMap<IpAddr, ParentRef> = (0..50).map(|i| (old.ip_at(600 + i as u64).expect("an address of the /22"), gateway(i))).collect();
-    if backend == "etcd" {
-        let records = wh.records(&cp).await;
-        for (ip, parent) in &gateways {
-            match records.allocate(*ip, Some(parent)).await {
-                Ok(()) | Err(StoreError::Alloc(AllocError::Allocated)) => {}
-                Err(e) => panic!("record Gateway address {ip} in the map: {e}"),
-            }
-        }
-        let _ = records.close().await;
-    }
-    for (ip, parent) in &gateways {
-        let obj = clusterip::k8s::ipaddress::build(*ip, parent.into(), "gateway-controller.example");
-        match ipaddresses.create(&PostParams::default(), &obj).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 409 => {} // left by an earlier run: the same owner
-            Err(e) => panic!("record Gateway address {ip}: {e}"),
-        }
-    }
+    record_gateways(&wh, &cp, backend, &gateways).await;
 
     // The load: creates one after another, each Service kept.
     let done = Arc::new(AtomicUsize::new(0));
@@ -108,11 +135,6 @@ async fn rolling_widen(backend: &str, slice: Slice) {
     };
     let new_ranges = vec![new.to_string(), slice.v6()];
     let step = creates / 5;
-    let stop = |wh: &mut Webhook, k: usize| {
-        wh.children[k].signal(libc::SIGTERM);
-        let status = tokio::task::block_in_place(|| wh.children[k].wait_exit(Duration::from_secs(60)));
-        assert!(status.is_some_and(|s| s.success()), "replica {k} did not stop cleanly within 60 s: {status:?}\n{}", wh.children[k].log());
-    };
     eventually("the first fifth of the creates", Duration::from_secs(300), reached(step)).await;
     let a = wh.add_replica(&cp, &new_ranges).await;
     wh.route_only(&[0, 1, a]).await;
@@ -171,16 +193,7 @@ async fn rolling_widen(backend: &str, slice: Slice) {
     } else {
         // One map for the range, under the /22's key; the Gateways' owners read through it.
         let prefix = format!("/clusterip-test/{}", wh.name);
-        let mut etcd = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("etcd");
-        let resp = etcd.get(prefix.clone(), Some(etcd_client::GetOptions::new().with_prefix().with_keys_only())).await.expect("list keys");
-        let v4_keys: BTreeSet<String> = resp
-            .kvs()
-            .iter()
-            .filter_map(|kv| kv.key_str().ok())
-            .filter(|k| k.strip_prefix(&format!("{prefix}/")).and_then(|rest| ServiceCidr::parse(rest).ok()).is_some_and(|c| c.family() == clusterip::cidr::Family::IPv4))
-            .map(str::to_string)
-            .collect();
-        assert_eq!(v4_keys, BTreeSet::from([format!("{prefix}/{old}")]), "the IPv4 range keys under {prefix}");
+        assert_eq!(v4_keys(&cp, &prefix).await, BTreeSet::from([format!("{prefix}/{old}")]), "the IPv4 range keys under {prefix}");
         let records = clusterip::store::etcd::EtcdStore::open(&clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix, ..Default::default() }, vec![new.clone()]).await.expect("open the /21's records");
         for (ip, parent) in &gateways {
             assert_eq!(records.owner(*ip).await.expect("read an owner").as_ref(), Some(parent), "the owner of {ip} through the /21");
@@ -188,6 +201,104 @@ async fn rolling_widen(backend: &str, slice: Slice) {
         let _ = records.close().await;
     }
 
+    for ip in gateways.keys() {
+        let _ = ipaddresses.delete(&ip.to_string(), &DeleteParams::default()).await;
+    }
+}
+
+/// A shrink /21 → /22 (the slice's lower half) as the runbook has it (docs/operations.md,
+/// "Changing the service range"): two replicas of the /21 with 20 Gateway addresses in the
+/// kept half and 100 Services anywhere; the part removed is freed first (the Services there
+/// deleted, until a store of the /22 opens — etcd — or no IPAddress is left there); then the
+/// rolling update, with no creates meanwhile (an old replica could still answer in the
+/// removed part): a /22 replica joins and takes the routes, the /21 replicas stop, a second
+/// /22 replica joins. Expected: the /22 replicas start (the etcd backend refuses to start
+/// while the removed part holds an address), 100 more creates all land in the /22, each
+/// once and none on a Gateway, the kept Services and the Gateways keep their records, and
+/// nothing of the /21 is left: no block Lease naming it (ipaddress), one IPv4 map key (etcd).
+async fn rolling_shrink(backend: &str, slice: Slice) {
+    let cp = control_plane();
+    let base = 8 * u32::from(slice.0);
+    let (old, new) = (ServiceCidr::parse(&slice.v4()).expect("old range"), ServiceCidr::parse(&format!("198.19.{base}.0/22")).expect("new range"));
+    let block_flags = ["--address-block-lease-duration", "12s", "--address-block-margin", "6s", "--apiserver-request-timeout", "5s"];
+    let mut wh = Webhook::start_with(&cp, backend, slice, |h| {
+        h.replicas(2);
+        h.ranges = vec![old.to_string(), slice.v6()];
+        h.flags(&block_flags);
+    })
+    .await;
+    let api = wh.services();
+    let ipaddresses: Api<IPAddress> = Api::all(wh.client.clone());
+    let gateways: BTreeMap<IpAddr, ParentRef> = (0..20).map(|i| (new.ip_at(600 + i as u64).expect("an address of the /22"), gateway(i))).collect();
+    record_gateways(&wh, &cp, backend, &gateways).await;
+
+    // 100 Services from the /21; those in the half to remove are deleted.
+    let mut kept: BTreeMap<IpAddr, String> = BTreeMap::new();
+    for i in 0..100 {
+        let name = format!("before-{i}");
+        let svc = api.create(&PostParams::default(), &service(&name, |_| {})).await.unwrap_or_else(|e| panic!("create {name}: {e}"));
+        let ip = ips(&svc).into_iter().find(|ip| ip.is_ipv4()).expect("an IPv4 address");
+        if new.contains(ip) {
+            kept.insert(ip, name);
+        } else {
+            api.delete(&name, &DeleteParams::default()).await.expect("delete a Service of the removed half");
+        }
+    }
+    // Freed: the removed half holds nothing the new range's replicas would count.
+    let (ipaddresses, old_c, new_c) = (&ipaddresses, &old, &new);
+    eventually("no IPAddress left in the removed half", Duration::from_secs(120), move || async move {
+        let list = ipaddresses.list(&ListParams::default()).await.expect("list IPAddresses");
+        !list.items.iter().filter_map(|o| o.metadata.name.as_deref()?.parse::<IpAddr>().ok()).any(|ip| old_c.contains(ip) && !new_c.contains(ip))
+    })
+    .await;
+    if backend == "etcd" {
+        let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
+        let cfg = &cfg;
+        let store = clusterip_test_support::eventually_ok("a store of the /22 opens (the removed half released in the map)", Duration::from_secs(120), Duration::from_millis(500), move || async move {
+            clusterip::store::etcd::EtcdStore::open(cfg, vec![new_c.clone()]).await
+        })
+        .await;
+        let _ = store.close().await;
+    }
+
+    // The rolling update, no creates meanwhile.
+    let new_ranges = vec![new.to_string(), slice.v6()];
+    let a = wh.add_replica(&cp, &new_ranges).await;
+    wh.route_only(&[a]).await;
+    stop(&mut wh, 0);
+    stop(&mut wh, 1);
+    let b = wh.add_replica(&cp, &new_ranges).await;
+    wh.route_only(&[a, b]).await;
+
+    // 100 more, all in the /22.
+    let mut owners: BTreeMap<IpAddr, String> = kept.clone();
+    for i in 0..100 {
+        let name = format!("after-{i}");
+        let svc = api.create(&PostParams::default(), &service(&name, |_| {})).await.unwrap_or_else(|e| panic!("create {name} after the shrink: {e}"));
+        let ip = ips(&svc).into_iter().find(|ip| ip.is_ipv4()).expect("an IPv4 address");
+        assert!(new.contains(ip), "{name} got {ip}, outside the /22");
+        assert!(!gateways.contains_key(&ip), "{name} got the Gateway address {ip}");
+        if let Some(other) = owners.insert(ip, name.clone()) {
+            panic!("{ip} given to {other} and {name}");
+        }
+    }
+    let list = ipaddresses.list(&ListParams::default()).await.expect("list IPAddresses");
+    let records: BTreeMap<IpAddr, String> = list.items.iter().filter_map(|o| Some((o.metadata.name.as_deref()?.parse().ok()?, format!("{}/{}", o.spec.parent_ref.resource, o.spec.parent_ref.name)))).collect();
+    for (ip, name) in &owners {
+        assert_eq!(records.get(ip), Some(&format!("services/{name}")), "the record of {ip}");
+    }
+    for (ip, parent) in &gateways {
+        assert_eq!(records.get(ip), Some(&format!("gateways/{}", parent.name)), "the Gateway record of {ip}");
+    }
+    if backend == "ipaddress" {
+        let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
+        let leases = &leases;
+        eventually("the /21's block Leases gone", Duration::from_secs(90), move || async move { block_leases(leases, old_c).await.is_empty() }).await;
+    } else {
+        let prefix = format!("/clusterip-test/{}", wh.name);
+        assert_eq!(v4_keys(&cp, &prefix).await.len(), 1, "one IPv4 range key under {prefix}");
+    }
+    println!("RESULT rolling shrink /21 -> /22 ({backend}): {} Services kept, 100 created after, 0 duplicate addresses, 0 outside the /22, 0 on a Gateway address", kept.len());
     for ip in gateways.keys() {
         let _ = ipaddresses.delete(&ip.to_string(), &DeleteParams::default()).await;
     }
@@ -201,4 +312,14 @@ async fn ipaddress_backend_rolling_widen_gives_nothing_twice_and_leaves_nothing_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_rolling_widen_gives_nothing_twice_and_leaves_nothing_behind() {
     rolling_widen("etcd", Slice(27)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_rolling_shrink_with_the_removed_part_freed_first() {
+    rolling_shrink("ipaddress", Slice(29)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_rolling_shrink_with_the_removed_part_freed_first() {
+    rolling_shrink("etcd", Slice(30)).await;
 }

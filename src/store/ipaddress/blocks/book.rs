@@ -122,6 +122,11 @@ pub struct Looked {
     /// or takeover whose answer was lost, a give-back that failed. Nothing was answered from
     /// them since (or ever), so they are deleted (with their uid and resourceVersion).
     pub orphans: Vec<Lease>,
+    /// Block Leases of a range that shares no address with any of ours (the removed part of
+    /// a shrink, the old range of a move), seen unchanged for the lease duration: their
+    /// holders stopped, and nothing of ours will ever take them over or delete them as
+    /// overlapping; deleted (with their uid and resourceVersion) so none is left behind.
+    pub stale: Vec<Lease>,
 }
 
 /// One replica's blocks; see the module docs.
@@ -148,6 +153,9 @@ pub struct Book {
     unanswered: HashMap<usize, Moment>,
     /// Block Leases this replica is creating or taking over right now (not orphans).
     claiming: HashSet<String>,
+    /// Block Leases of ranges sharing no address with ours, by name: since when each kept
+    /// its holder's last renewal ([`Looked::stale`]).
+    strangers: HashMap<String, Observation<Renewal>>,
 }
 
 impl Book {
@@ -155,7 +163,7 @@ impl Book {
     /// `sizes[i]` addresses in range i.
     pub fn new(holder: String, cidrs: Vec<ServiceCidr>, sizes: Vec<u64>, lease_duration: Duration, margin: Duration) -> Book {
         let order = (0..cidrs.len()).collect();
-        Book { holder, cidrs, sizes, order, lease_duration, margin, held: Vec::new(), pending: HashMap::new(), observed: HashMap::new(), answered: HashSet::new(), unanswered: HashMap::new(), claiming: HashSet::new() }
+        Book { holder, cidrs, sizes, order, lease_duration, margin, held: Vec::new(), pending: HashMap::new(), observed: HashMap::new(), answered: HashSet::new(), unanswered: HashMap::new(), claiming: HashSet::new(), strangers: HashMap::new() }
     }
 
     /// The ranges new addresses come from now, in the order to try them, each with whether
@@ -411,6 +419,16 @@ impl Book {
                     let earlier = self.observed.remove(&name).map(|o| o.seen);
                     let seen_now = Observation::next(earlier, Renewal::of(&lease), now);
                     self.observed.insert(name, Watched { range, span, seen: seen_now, lease });
+                } else if holder(&lease) != Some(self.holder.as_str()) {
+                    // Of a range sharing no address with ours: deleted once its holder stopped.
+                    seen.insert(name.clone());
+                    let earlier = self.strangers.remove(&name);
+                    let seen_now = Observation::next(earlier, Renewal::of(&lease), now);
+                    if seen_now.expired(now, self.lease_duration) {
+                        out.stale.push(lease);
+                    } else {
+                        self.strangers.insert(name, seen_now);
+                    }
                 }
                 continue;
             };
@@ -431,6 +449,7 @@ impl Book {
             self.observed.insert(name, Watched { range, span, seen: seen_now, lease });
         }
         self.observed.retain(|n, _| seen.contains(n));
+        self.strangers.retain(|n, _| seen.contains(n));
         let held: HashSet<&String> = self.held.iter().map(|h| &h.name).collect();
         self.answered.retain(|(n, _)| held.contains(n));
         out

@@ -581,6 +581,18 @@ impl BlockStore {
                 info!(block = %name, "deleted a block Lease of this replica it did not hold (a create or give-back whose answer was lost)");
             }
         }
+        for stale in looked.stale {
+            let (Some(name), previous) = (stale.metadata.name.clone(), holder_of(&stale).unwrap_or_default().to_string()) else { continue };
+            // Only as last seen (uid and resourceVersion): a renewal meanwhile keeps it.
+            match self.api.delete_lease(&name, &stale).await {
+                Ok(()) => {
+                    info!(block = %name, %previous, "deleted an address block Lease of a range that is no longer ours, its holder stopped renewing");
+                    self.events.count("deleted_stale");
+                }
+                Err(e) if matches!(e.code(), Some(404 | 409)) => {}
+                Err(e) => warn!(block = %name, error = %e, "could not delete a stale address block Lease of another range; trying again after the lease duration"),
+            }
+        }
         Ok(looked.requests)
     }
 

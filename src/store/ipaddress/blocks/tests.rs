@@ -404,3 +404,34 @@ async fn a_hand_over_gives_the_asked_block_to_a_replica_of_a_narrower_range() {
     let got = n.allocate_next(Family::IPv4, Some(&parent("n"))).await.expect("N answers from the block handed over");
     assert!(narrow.contains(got), "{got}");
 }
+
+/// A shrink or a move: the old range's replicas stopped, and a block Lease of theirs names
+/// addresses none of our ranges has. Nothing would ever take it over or delete it as
+/// overlapping; it is deleted once seen unchanged for D — and not while its holder renews.
+#[tokio::test(start_paused = true)]
+async fn a_stopped_holders_block_of_a_range_sharing_nothing_with_ours_is_deleted() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let removed = cidr("198.19.3.0/28");
+    let (stopped, live) = (block_name(&removed, 0), block_name(&removed, 1));
+    for (name, index) in [(&stopped, 0), (&live, 1)] {
+        let sp = span(&removed, 4, index).expect("a block of the removed range");
+        let lease = block_lease(&removed, sp, "old-replica/1", D, now_micro());
+        api.create_lease(&lease).await.unwrap_or_else(|e| panic!("create {name}: {e:?}"));
+    }
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    clock.advance(D - s(1));
+    a.observe().await.expect("observe");
+    assert!(api.lease(&stopped).is_some(), "deleted before D");
+    // The live one's holder renews.
+    let mut renewed = api.lease(&live).expect("the live Lease");
+    if let Some(spec) = renewed.spec.as_mut() {
+        spec.renew_time = Some(now_micro());
+    }
+    api.replace_lease(&live, &renewed).await.expect("renew");
+    clock.advance(s(2));
+    a.observe().await.expect("observe");
+    assert!(api.lease(&stopped).is_none(), "a stopped holder's Lease of a range sharing nothing with ours is left behind");
+    assert!(api.lease(&live).is_some(), "a renewed Lease was deleted");
+    let count = a.block_events().into_iter().find(|(n, _)| *n == "deleted_stale").map(|(_, c)| c);
+    assert_eq!(count, Some(1));
+}

@@ -102,9 +102,18 @@ binary_of() {
     etcd|etcd-[23]) echo "$ETCD_BIN/etcd" ;;
     kube-apiserver|kube-apiserver-2) echo "$K8S_BIN/kube-apiserver" ;;
     kube-controller-manager) echo "$K8S_BIN/kube-controller-manager" ;;
-    clusterip-controller) echo "$repo/target/${CLUSTERIP_PROFILE:-debug}/clusterip" ;;
+    clusterip-controller) controller_bin ;;
     *) return 1 ;;
   esac
+}
+
+# The clusterip binary the controller runs: CLUSTERIP_CONTROLLER_BIN when given (a test's
+# own build; nothing is built, and the state directory keeps the path for stop, start and
+# down), else cargo's build of CLUSTERIP_PROFILE in CARGO_TARGET_DIR (built at each start).
+controller_bin() {
+  if [ -n "${CLUSTERIP_CONTROLLER_BIN:-}" ]; then echo "$CLUSTERIP_CONTROLLER_BIN"
+  elif [ -f "$state/clusterip-controller.bin" ]; then cat "$state/clusterip-controller.bin"
+  else echo "${CARGO_TARGET_DIR:-$repo/target}/${CLUSTERIP_PROFILE:-debug}/clusterip"; fi
 }
 
 stop_component() {
@@ -376,9 +385,14 @@ kubectl_too_old() {
 start_clusterip-controller() {
   local pki="$state/pki" profile=${CLUSTERIP_PROFILE:-debug} flags=()
   [ "$profile" = release ] && flags+=(--release)
-  log "building clusterip ($profile)"
-  (cd "$repo" && cargo build --quiet "${flags[@]}" --bin clusterip)
-  spawn clusterip-controller "$repo/target/$profile/clusterip" controller \
+  if [ -n "${CLUSTERIP_CONTROLLER_BIN:-}" ]; then
+    echo "$CLUSTERIP_CONTROLLER_BIN" > "$state/clusterip-controller.bin"
+  elif [ ! -f "$state/clusterip-controller.bin" ]; then
+    log "building clusterip ($profile)"
+    (cd "$repo" && cargo build --quiet "${flags[@]}" --bin clusterip)
+  fi
+  local bin; bin=$(controller_bin)
+  spawn clusterip-controller "$bin" controller \
     --backend "${CLUSTERIP_BACKEND:-etcd}" --service-cidr "$CONTROLLER_CIDRS" \
     --etcd-endpoints "$(etcd_endpoints)" --kubeconfig "$state/kubeconfig" \
     --webhook-bind-address "127.0.0.1:$WEBHOOK_PORT" --metrics-bind-address "127.0.0.1:$CONTROLLER_METRICS_PORT" \

@@ -47,6 +47,10 @@ minutes=${1:-10}
 [ "$(id -u)" = 0 ] || { echo "soak: must run as root (network namespaces)" >&2; exit 2; }
 run_capped "${SOAK_MEM_MIB:-6144}" "$@"
 run_begin soak
+trap run_end EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 
 if [ "${SOAK_REPLICAS:-1}" = 3 ]; then
   logs=$root/target/soak/$(date -u +%Y%m%dT%H%M%S)-$$-replicas
@@ -62,11 +66,6 @@ elif [ "${SOAK_REPLICAS:-1}" != 1 ]; then
   echo "soak: SOAK_REPLICAS is 1 (the default) or 3" >&2
   exit 2
 fi
-
-trap run_end EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP
 
 profile=${CLUSTERIP_PROFILE:-debug}
 build=(); [ "$profile" = release ] && build=(--release)

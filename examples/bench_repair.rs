@@ -136,29 +136,8 @@ async fn inject(args: &[String]) -> anyhow::Result<()> {
         anyhow::bail!("offsets {first}..={last} do not fit in {cidr} ({} usable)", cidr.size());
     }
     let endpoints: Vec<String> = args[0].split(',').map(str::to_string).collect();
-    let mut client = etcd_client::Client::connect(endpoints, None).await?;
     let started = Instant::now();
-    let mut n = first;
-    while n <= last {
-        let end = (n + 128).min(last + 1);
-        let ops: Vec<etcd_client::TxnOp> = (n..end)
-            .map(|i| {
-                let ip = cidr.ip_at(i).map(|ip| ip.to_string()).unwrap_or_default();
-                let svc = json!({
-                    "apiVersion": "v1", "kind": "Service",
-                    "metadata": {"name": format!("svc-{i}"), "namespace": "bench-inject", "uid": format!("00000000-0000-4000-8000-{i:012}"),
-                                 "creationTimestamp": "2026-11-22T16:00:00Z"},
-                    "spec": {"clusterIP": ip, "clusterIPs": [ip], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "type": "ClusterIP",
-                             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}], "sessionAffinity": "None",
-                             "internalTrafficPolicy": "Cluster"},
-                    "status": {"loadBalancer": {}}
-                });
-                etcd_client::TxnOp::put(format!("/registry/services/specs/bench-inject/svc-{i}"), svc.to_string(), None)
-            })
-            .collect();
-        client.txn(etcd_client::Txn::new().and_then(ops)).await?;
-        n = end;
-    }
+    clusterip_test_support::inject::services(&endpoints, (first..=last).filter_map(|i| Some((i, cidr.ip_at(i)?))), false).await?;
     let services_s = started.elapsed().as_secs_f64();
     let t = Instant::now();
     drop(record(&args[0], &args[1], &cidr, last).await?);

@@ -24,6 +24,7 @@
 pub mod attack;
 pub mod faulty;
 pub mod fuzz;
+pub mod inject;
 pub mod net;
 pub mod netns;
 pub mod poll;

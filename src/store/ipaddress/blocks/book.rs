@@ -234,6 +234,15 @@ impl Book {
         self.lease_duration
     }
 
+    /// How long another replica's Lease must be seen unchanged before it is taken over or
+    /// deleted: our lease duration, or the one the Lease states if longer — its holder
+    /// answers until `its D − its M` after its last renewal, whatever ours is (replicas of a
+    /// rolling update that changes `--address-block-lease-duration`, or of another range).
+    fn expiry(&self, lease: &Lease) -> Duration {
+        let stated = lease.spec.as_ref().and_then(|s| s.lease_duration_seconds).and_then(|d| u64::try_from(d).ok()).map(Duration::from_secs);
+        stated.map_or(self.lease_duration, |d| d.max(self.lease_duration))
+    }
+
     /// Whether the holder may pick from `h` at `now`: not being given back, and its last
     /// confirmed renewal sent less than `lease_duration − margin` ago.
     fn usable(&self, h: &Held, now: Moment) -> bool {
@@ -346,7 +355,7 @@ impl Book {
         for (name, o) in &self.observed {
             let Some(s) = translate(&self.cidrs[o.range], &o.span, cidr) else { continue };
             busy.extend(blocks_overlapping(cidr, size, &s));
-            if o.seen.expired(now, self.lease_duration) && expired.is_none_or(|(_, e)| s.first < e.first) {
+            if o.seen.expired(now, self.expiry(&o.lease)) && expired.is_none_or(|(_, e)| s.first < e.first) {
                 expired = Some((name, s));
             }
         }
@@ -424,7 +433,7 @@ impl Book {
                     seen.insert(name.clone());
                     let earlier = self.strangers.remove(&name);
                     let seen_now = Observation::next(earlier, Renewal::of(&lease), now);
-                    if seen_now.expired(now, self.lease_duration) {
+                    if seen_now.expired(now, self.expiry(&lease)) {
                         out.stale.push(lease);
                     } else {
                         self.strangers.insert(name, seen_now);

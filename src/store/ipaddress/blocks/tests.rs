@@ -435,3 +435,22 @@ async fn a_stopped_holders_block_of_a_range_sharing_nothing_with_ours_is_deleted
     let count = a.block_events().into_iter().find(|(n, _)| *n == "deleted_stale").map(|(_, c)| c);
     assert_eq!(count, Some(1));
 }
+
+/// A Lease stating a longer lease duration than ours (its holder's `--address-block-lease-
+/// duration`) is waited for that long: its holder may answer until its own D − M after its
+/// last renewal.
+#[tokio::test(start_paused = true)]
+async fn a_lease_stating_a_longer_duration_is_waited_for_that_long() {
+    let (api, clock) = (Arc::new(FakeApi::default()), ManualClock::default());
+    let removed = cidr("198.19.3.0/28");
+    let name = block_name(&removed, 0);
+    let sp = span(&removed, 4, 0).expect("a block");
+    api.create_lease(&block_lease(&removed, sp, "old-replica/1", D * 2, now_micro())).await.expect("create");
+    let a = replica(&api, Arc::new(clock.clone()), "replica-a", 16, ApiserverIps::fixed([])).await;
+    clock.advance(D + s(1));
+    a.observe().await.expect("observe");
+    assert!(api.lease(&name).is_some(), "deleted after our D, before the 2 D it states");
+    clock.advance(D);
+    a.observe().await.expect("observe");
+    assert!(api.lease(&name).is_none(), "kept after the 2 D it states");
+}

@@ -40,6 +40,11 @@
 #   CLUSTERIP_APISERVERS=2    a second kube-apiserver, kube-apiserver-2, on its own port with
 #                             the same flags, PKI and etcd (CLUSTERIP_APISERVER_2 and
 #                             KUBECONFIG_2 in the env file)
+#   CLUSTERIP_APISERVER_2_ETCD_SERVERS=<urls>
+#                             kube-apiserver-2's --etcd-servers instead of every member's
+#                             (read each time it starts: `up`, `start kube-apiserver-2`):
+#                             a fault test puts a delaying proxy on its path to etcd, so
+#                             its watch cache lags (tests/controller_e2e/lagging_cache.rs)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -324,12 +329,12 @@ etcd_endpoints() {
   echo "$e"
 }
 
-start_kube-apiserver() { start_apiserver kube-apiserver "$APISERVER_PORT"; }
-start_kube-apiserver-2() { start_apiserver kube-apiserver-2 "$APISERVER_2_PORT"; }
+start_kube-apiserver() { start_apiserver kube-apiserver "$APISERVER_PORT" "$(etcd_endpoints)"; }
+start_kube-apiserver-2() { start_apiserver kube-apiserver-2 "$APISERVER_2_PORT" "${CLUSTERIP_APISERVER_2_ETCD_SERVERS:-$(etcd_endpoints)}"; }
 start_apiserver() {
   local pki="$state/pki"
   spawn "$1" "$K8S_BIN/kube-apiserver" \
-    --etcd-servers "$(etcd_endpoints)" --etcd-prefix /registry \
+    --etcd-servers "$3" --etcd-prefix /registry \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$2" \
     --endpoint-reconciler-type none \
     --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \

@@ -101,7 +101,7 @@ impl Controller {
         cmd.arg("controller")
             .args(args)
             .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0", "--health-probe-bind-address", "127.0.0.1:0"])
-            .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::controller::leader=info,clusterip_serve=info,clusterip::store::etcd=info,clusterip::repair=info")
+            .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::controller::leader=info,clusterip_serve=info,clusterip::store::etcd=info,clusterip::store::ipaddress::blocks=debug,clusterip::webhook::admission=debug,clusterip::repair=info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(file);

@@ -293,16 +293,26 @@ fn spawn_controller(cp: &ControlPlane, h: &Harness, name: &str, replica: usize) 
     Controller::start(h.flags.iter().cloned().chain(base))
 }
 
-/// Forward each connection to the next routed replica that accepts it (TLS passes
-/// through); a connection to a replica taken out of the routes is cut.
+/// Forward each connection to a routed replica that accepts it — of those, the one with the
+/// fewest connections open through this front, the next in turn among equals (TLS passes
+/// through); a connection to a replica taken out of the routes is cut. Connections, not
+/// requests, are spread: a kube-apiserver calls a webhook on a loopback URL over one HTTP/2
+/// connection (it forces HTTP/1.1 only for other hosts), so each apiserver's calls go to one
+/// replica until that connection is cut, and its new one goes where the fewest are.
 async fn round_robin(listener: tokio::net::TcpListener, routes: tokio::sync::watch::Receiver<Vec<u16>>) {
+    let open: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<u16, usize>>> = Default::default();
     let mut next = 0usize;
     loop {
         let Ok((mut inbound, _)) = listener.accept().await else { continue };
         let ports = routes.borrow().clone();
+        let mut order: Vec<u16> = (0..ports.len()).map(|i| ports[(next + i) % ports.len()]).collect();
+        {
+            // (A stable sort: among equals, the turn order stays.)
+            let open = open.lock().expect("lock");
+            order.sort_by_key(|p| open.get(p).copied().unwrap_or(0));
+        }
         let mut target = None;
-        for i in 0..ports.len() {
-            let port = ports[(next + i) % ports.len()];
+        for port in order {
             if let Ok(s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
                 target = Some((port, s));
                 break;
@@ -310,7 +320,8 @@ async fn round_robin(listener: tokio::net::TcpListener, routes: tokio::sync::wat
         }
         next = next.wrapping_add(1);
         if let Some((port, mut outbound)) = target {
-            let mut routes = routes.clone();
+            *open.lock().expect("lock").entry(port).or_default() += 1;
+            let (mut routes, open) = (routes.clone(), open.clone());
             tokio::spawn(async move {
                 let unrouted = async {
                     while routes.changed().await.is_ok() {
@@ -323,6 +334,9 @@ async fn round_robin(listener: tokio::net::TcpListener, routes: tokio::sync::wat
                 tokio::select! {
                     _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
                     _ = unrouted => {}
+                }
+                if let Some(n) = open.lock().expect("lock").get_mut(&port) {
+                    *n -= 1;
                 }
             });
         }

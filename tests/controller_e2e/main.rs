@@ -25,6 +25,7 @@ mod failed_creates;
 mod failover;
 mod faults;
 mod ha_apiservers;
+mod lagging_cache;
 mod lifecycle;
 mod pool;
 mod range_change;

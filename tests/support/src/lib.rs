@@ -175,7 +175,14 @@ impl ControlPlane {
 
     /// Start a stopped component again and wait until it is ready.
     pub fn start(&self, component: &str) {
-        let status = self.script().args(["start", component]).status().expect("dev-cluster.sh start");
+        self.start_with(component, &[]);
+    }
+
+    /// [`start`](Self::start) with `scripts/dev-cluster.sh` settings of its own, e.g.
+    /// `("CLUSTERIP_APISERVER_2_ETCD_SERVERS", "http://127.0.0.1:<a proxy's port>")` for
+    /// "kube-apiserver-2" (read each time it starts).
+    pub fn start_with(&self, component: &str, env: &[(&str, &str)]) {
+        let status = self.script().args(["start", component]).envs(env.iter().copied()).status().expect("dev-cluster.sh start");
         assert!(status.success(), "starting {component} failed");
     }
 

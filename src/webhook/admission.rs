@@ -37,7 +37,7 @@ use kube::core::response::{StatusCause, StatusDetails, StatusSummary};
 use kube::core::Status;
 use serde_json::json;
 use tokio::sync::broadcast;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::alloc::AllocError;
 use crate::cidr::Family;
@@ -232,6 +232,15 @@ impl Admission {
         self
     }
 
+    /// Whether a stored Service holds `ip` right now (read from storage; without a view of
+    /// the cluster's records: no).
+    async fn held_by_service(&self, ip: IpAddr, parent: &ParentRef) -> Result<bool, StoreError> {
+        match &self.recorded {
+            Some(r) => r.held_by_service(ip, parent).await,
+            None => Ok(false),
+        }
+    }
+
     fn recorded_elsewhere(&self, ip: IpAddr) -> bool {
         self.recorded.as_ref().map(|r| r.contains(ip)).unwrap_or(false)
     }
@@ -303,6 +312,24 @@ impl Admission {
                 Err(broadcast::error::RecvError::Closed) => return,
             };
             let Some(entry) = lock(&self.in_flight).get(&ip).filter(|e| e.recorded).cloned() else { continue };
+            // A record deleted under a Service that still holds the address (the
+            // kube-apiserver's repair deletes and recreates a record its informers judge
+            // wrong; a delete by hand) is no failed create: kept, until the record is back or
+            // the in-flight sweep settles it.
+            match self.held_by_service(ip, &entry.parent).await {
+                Ok(false) => {}
+                Ok(true) => {
+                    info!(%ip, service = %entry.parent, "the IPAddress of an address this replica answered was deleted while its Service still holds it; kept (not released)");
+                    if let Some(e) = lock(&self.in_flight).get_mut(&ip).filter(|e| e.since == entry.since) {
+                        e.recorded = false;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    warn!(%ip, error = %e, "could not read whether a Service holds an address whose record was deleted; it goes after the in-flight limit");
+                    continue;
+                }
+            }
             match self.store.release_owned(ip, &entry.parent).await {
                 Ok(()) => {
                     debug!(%ip, service = %entry.parent, "released an address the apiserver recorded after our answer and released again (the create failed, or the Service was deleted)");
@@ -353,7 +380,18 @@ impl Admission {
                     result.settled += 1;
                     true
                 }
-                Ok(false) => match self.store.release_owned(ip, &entry.parent).await {
+                Ok(false) => match self.held_by_service(ip, &entry.parent).await {
+                    // Stored, its record deleted meanwhile: the Service holds it (the repair
+                    // pass records it again); never released.
+                    Ok(true) => {
+                        result.settled += 1;
+                        true
+                    }
+                    Err(e) => {
+                        warn!(%ip, error = %e, "could not read whether a Service holds an answered address; trying again");
+                        false
+                    }
+                    Ok(false) => match self.store.release_owned(ip, &entry.parent).await {
                     Ok(()) => {
                         debug!(%ip, service = %entry.parent, "released an address the apiserver never recorded (the request failed)");
                         result.released.push(ip);
@@ -364,6 +402,7 @@ impl Admission {
                         warn!(%ip, error = %e, "could not release an address whose request failed; trying again");
                         false
                     }
+                    },
                 },
                 Err(e) => {
                     warn!(%ip, error = %e, "could not check whether an answered address was recorded; trying again");

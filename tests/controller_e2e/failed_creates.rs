@@ -1,7 +1,7 @@
 //! A tenant looping creates that the kube-apiserver refuses after our answer pins nothing.
 
 use k8s_openapi::api::core::v1::ServicePort;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 
 use clusterip_test_support::control_plane;
 
@@ -49,4 +49,35 @@ async fn etcd_backend_failed_creates_pin_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_failed_creates_pin_nothing() {
     failed_creates_pin_nothing("ipaddress", Slice(14)).await;
+}
+
+/// An IPAddress deleted under a live Service — the kube-apiserver's repair deleting and
+/// recreating a record its informers judge wrong (a lagging apiserver's, in
+/// `lagging_cache`), or a delete by hand — is no failed create: the webhook keeps the
+/// address it answered (it reads that the Service holds it) instead of releasing it to the
+/// next create while the Service still has it.
+async fn a_deleted_record_of_a_live_service_is_not_released(backend: &str, slice: Slice) {
+    use k8s_openapi::api::networking::v1::IPAddress;
+    let cp = control_plane();
+    let wh = Webhook::start(&cp, backend, slice).await;
+    let api = wh.services();
+    let svc = api.create(&PostParams::default(), &service("live", |_| {})).await.expect("create");
+    let ip = ips(&svc)[0];
+    let records: Api<IPAddress> = Api::all(wh.client.clone());
+    let records = &records;
+    clusterip_test_support::eventually("the Service's IPAddress", std::time::Duration::from_secs(30), || async move { records.get_opt(&ip.to_string()).await.ok().flatten().is_some() }).await;
+    records.delete(&ip.to_string(), &DeleteParams::default()).await.expect("delete the IPAddress by hand");
+    let c = &wh.children[0];
+    clusterip_test_support::eventually("the webhook keeps the address (its log)", std::time::Duration::from_secs(30), || async move { c.log().contains("while its Service still holds it; kept") }).await;
+    assert_eq!(released_by_apiserver(c).await, 0, "the address of a live Service was released");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_a_deleted_record_of_a_live_service_is_not_released() {
+    a_deleted_record_of_a_live_service_is_not_released("etcd", Slice(31)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_a_deleted_record_of_a_live_service_is_not_released() {
+    a_deleted_record_of_a_live_service_is_not_released("ipaddress", Slice(15)).await;
 }

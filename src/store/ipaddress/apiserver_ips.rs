@@ -23,8 +23,9 @@ use std::net::IpAddr;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::api::{Api, PartialObjectMeta};
+use kube::api::{Api, ListParams, PartialObjectMeta};
 use tokio::sync::{broadcast, watch};
 use tracing::warn;
 
@@ -128,6 +129,8 @@ pub struct ApiserverIps {
     changes: broadcast::Sender<IpChange>,
     /// For reads from storage; None for a fixed view.
     api: Option<Api<IPAddress>>,
+    /// For reads of the Services holding an address; None for a fixed view.
+    services: Option<Api<Service>>,
     /// When addresses leave the view: the clock of the blocks' protocol (`BlockStore`),
     /// which compares these moments with its own.
     clock: Arc<dyn Clock>,
@@ -135,7 +138,7 @@ pub struct ApiserverIps {
 
 impl Default for ApiserverIps {
     fn default() -> Self {
-        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), changes: broadcast::Sender::new(CHANGES_BUFFER), api: None, clock: crate::clock::system() }
+        Self { set: Arc::default(), bad: Arc::default(), added: Arc::new(watch::Sender::new(0)), changes: broadcast::Sender::new(CHANGES_BUFFER), api: None, services: None, clock: crate::clock::system() }
     }
 }
 
@@ -146,7 +149,7 @@ impl ApiserverIps {
     /// decoded (a garbled parentRef, written behind the apiserver's validation) must neither
     /// stop the watch nor go uncounted: its address stays taken.
     pub fn start(client: kube::Client) -> (Self, watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
-        let me = Self { api: Some(Api::all(client.clone())), ..Self::default() };
+        let me = Self { api: Some(Api::all(client.clone())), services: Some(Api::all(client.clone())), ..Self::default() };
         let (tx, rx) = watch::channel(false);
         let (set, bad, added, changes) = (me.set.clone(), me.bad.clone(), me.added.clone(), me.changes.clone());
         let clock = me.clock.clone();
@@ -256,6 +259,31 @@ impl ApiserverIps {
             Ok(Ok(found)) => Ok(found.is_some()),
             Ok(Err(e)) => Err(StoreError::from_kube(format!("reading IPAddress {ip}"), e)),
             Err(_) => Err(StoreError::Unavailable(format!("reading IPAddress {ip}: the kube-apiserver did not answer within {RECORDED_NOW_TIMEOUT:?}").into())),
+        }
+    }
+
+    /// Whether a stored Service holds `ip` right now, read from storage: the Service
+    /// `parent` names (when the request named it), else any Service whose `spec.clusterIP`
+    /// it is (a field selector; a generated name's secondary-family address is not found
+    /// this way). An IPAddress deleted while its Service still holds the address — the
+    /// kube-apiserver's repair recreating a record it judged wrong, a delete by hand — is no
+    /// failed create: the address must not be given again. A fixed view: no.
+    pub async fn held_by_service(&self, ip: IpAddr, parent: &crate::store::ParentRef) -> Result<bool, StoreError> {
+        let Some(all) = &self.services else { return Ok(false) };
+        let holds = |svc: &Service| crate::k8s::service::held_ips(svc).iter().any(|t| crate::cidr::parse_ip(t).ok() == Some(ip));
+        let read = async {
+            match (parent.resource.as_str(), parent.namespace.as_deref(), parent.name.is_empty()) {
+                ("services", Some(ns), false) => {
+                    let api: Api<Service> = Api::namespaced(all.clone().into_client(), ns);
+                    api.get_opt(&parent.name).await.map(|s| s.is_some_and(|s| holds(&s)))
+                }
+                _ => all.list(&ListParams::default().fields(&format!("spec.clusterIP={ip}"))).await.map(|l| l.items.iter().any(holds)),
+            }
+        };
+        match tokio::time::timeout(RECORDED_NOW_TIMEOUT, read).await {
+            Ok(Ok(held)) => Ok(held),
+            Ok(Err(e)) => Err(StoreError::from_kube(format!("reading the Service that holds {ip}"), e)),
+            Err(_) => Err(StoreError::Unavailable(format!("reading the Service that holds {ip}: the kube-apiserver did not answer within {RECORDED_NOW_TIMEOUT:?}").into())),
         }
     }
 

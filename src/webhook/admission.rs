@@ -232,6 +232,17 @@ impl Admission {
         self
     }
 
+    /// Hold `ip` in the store again for `parent`, a stored Service whose record was deleted:
+    /// the store may have let it go when the view showed it recorded (the ipaddress backend
+    /// settles a pick then), and without the record nothing else keeps it from the next
+    /// dynamic pick — until the record is back (the apiserver's repair, or ours).
+    async fn hold_for(&self, ip: IpAddr, parent: &ParentRef) {
+        match self.store.allocate(ip, Some(parent)).await {
+            Ok(()) | Err(StoreError::Alloc(AllocError::Allocated)) => {}
+            Err(e) => warn!(%ip, error = %e, "could not hold the address of a Service whose record was deleted"),
+        }
+    }
+
     /// Whether a stored Service holds `ip` right now (read from storage; without a view of
     /// the cluster's records: no).
     async fn held_by_service(&self, ip: IpAddr, parent: &ParentRef) -> Result<bool, StoreError> {
@@ -320,6 +331,7 @@ impl Admission {
                 Ok(false) => {}
                 Ok(true) => {
                     info!(%ip, service = %entry.parent, "the IPAddress of an address this replica answered was deleted while its Service still holds it; kept (not released)");
+                    self.hold_for(ip, &entry.parent).await;
                     if let Some(e) = lock(&self.in_flight).get_mut(&ip).filter(|e| e.since == entry.since) {
                         e.recorded = false;
                     }
@@ -384,6 +396,7 @@ impl Admission {
                     // Stored, its record deleted meanwhile: the Service holds it (the repair
                     // pass records it again); never released.
                     Ok(true) => {
+                        self.hold_for(ip, &entry.parent).await;
                         result.settled += 1;
                         true
                     }

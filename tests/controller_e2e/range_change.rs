@@ -150,8 +150,12 @@ async fn rolling_widen(backend: &str, slice: Slice) {
     // Every create succeeded, each with an address of its own in the new range — but for a
     // request the harness's proxy had in flight on a connection it cut when the routes
     // changed (`Webhook::route_only`; four changes, the apiserver reports "failed calling
-    // webhook … EOF"), which is the proxy's doing, not a refusal.
-    let cut = |e: &kube::Error| matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains("failed calling webhook") && ["EOF", "broken pipe", "connection reset"].iter().any(|t| s.message.contains(t)));
+    // webhook …" with its transport's words: "EOF", "http2: client connection force closed
+    // via ClientConn.Close", …), which is the proxy's doing, not a refusal.
+    let cut = |e: &kube::Error| {
+        matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains("failed calling webhook")
+            && ["EOF", "broken pipe", "connection reset", "client connection force closed", "client connection lost"].iter().any(|t| s.message.contains(t)))
+    };
     let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().filter(|e| !cut(e)).map(|e| format!("{n}: {e}"))).collect();
     assert!(failed.is_empty(), "{} of {creates} creates failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
     let cuts = results.iter().filter(|(_, r)| r.is_err()).count();

@@ -254,19 +254,13 @@ async fn ipaddress_backend_three_replicas_under_faults() {
     })
     .await;
     let stale = if settled.is_some() { Vec::new() } else { stale_now().await };
-    let kind = |e: &str| if e.contains("range is full") { "range_full" } else if e.contains("failed to call webhook") { "webhook_unreachable" } else { "other" };
+    let kind = failure_kind;
     let mut kinds = std::collections::BTreeMap::new();
     for f in &failed {
         *kinds.entry(kind(f)).or_insert(0) += 1;
     }
     // What the protocol did meanwhile: each replica's `clusterip_address_block_events_total`.
-    let mut events = std::collections::BTreeMap::new();
-    for c in &wh.children {
-        let text = clusterip_test_support::local_get(c.metrics_port, "/metrics").await.map(|(_, b)| b).unwrap_or_default();
-        for e in clusterip::store::ipaddress::blocks::EVENTS {
-            *events.entry(e).or_insert(0.0) += crate::controller_common::metric(&text, &format!("clusterip_address_block_events_total{{event=\"{e}\"}}")).unwrap_or(0.0);
-        }
-    }
+    let events = wh.block_events().await;
     let (takeovers, handovers) = (events["taken_over"], events["handed_over"]);
     println!(
         "RESULT faults rounds={rounds} creates={} ok={} failed={} ({}) refused_already_allocated={} duplicates={} static_ok={} stale_leases={} takeovers={takeovers} handovers={handovers} lost={} answered_again_s={}",

@@ -120,9 +120,32 @@ impl Webhook {
     /// The controllers' etcd records (etcd backend), opened as a store of their ranges
     /// under the prefix the harness gives them.
     pub async fn records(&self, cp: &ControlPlane) -> clusterip::store::etcd::EtcdStore {
-        let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", self.name), ..Default::default() };
         let cidrs = self.ranges.iter().map(|r| clusterip::cidr::ServiceCidr::parse(r).expect("the harness's range")).collect();
-        clusterip::store::etcd::EtcdStore::open(&cfg, cidrs).await.expect("open the controllers' records")
+        self.records_of(cp, cidrs).await.expect("open the controllers' records")
+    }
+
+    /// The controllers' etcd records opened as a store of `cidrs` (another range than the
+    /// controllers': a range change's new one).
+    pub async fn records_of(&self, cp: &ControlPlane, cidrs: Vec<clusterip::cidr::ServiceCidr>) -> Result<clusterip::store::etcd::EtcdStore, clusterip::store::StoreError> {
+        let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: self.etcd_prefix(), ..Default::default() };
+        clusterip::store::etcd::EtcdStore::open(&cfg, cidrs).await
+    }
+
+    /// The etcd prefix of the controllers' records (`controller_common::controller_args`).
+    pub fn etcd_prefix(&self) -> String {
+        format!("/clusterip-test/{}", self.name)
+    }
+
+    /// Each replica's `clusterip_address_block_events_total`, summed by event.
+    pub async fn block_events(&self) -> std::collections::BTreeMap<&'static str, f64> {
+        let mut events = std::collections::BTreeMap::new();
+        for c in &self.children {
+            let text = clusterip_test_support::local_get(c.metrics_port, "/metrics").await.map(|(_, b)| b).unwrap_or_default();
+            for e in clusterip::store::ipaddress::blocks::EVENTS {
+                *events.entry(e).or_insert(0.0) += controller_common::metric(&text, &format!("clusterip_address_block_events_total{{event=\"{e}\"}}")).unwrap_or(0.0);
+            }
+        }
+        events
     }
 
     /// The controllers of the harness `tweak` makes, sharing one backend and one leader
@@ -425,4 +448,17 @@ pub async fn who_holds(client: &Client, ip: IpAddr) -> String {
         Err(e) => vec![format!("(events unreadable: {e})")],
     };
     format!("{object}; Events naming it: {events:?}")
+}
+
+/// Which kind of refusal a failed create's error is, for a RESULT line's counts.
+pub fn failure_kind(error: &str) -> &'static str {
+    if error.contains("already allocated") {
+        "already_allocated"
+    } else if error.contains("range is full") {
+        "range_full"
+    } else if error.contains("failed to call webhook") {
+        "webhook_unreachable"
+    } else {
+        "other"
+    }
 }

@@ -368,10 +368,7 @@ async fn ipaddress_backend_three_replicas_one_on_a_lagging_apiserver() {
     let answered = futures::future::join_all(wh.children.iter().map(answered)).await;
     let refused: Vec<&Create> = done.iter().filter(|c| matches!(&c.result, Err(kube::Error::Api(s)) if s.message.contains("already allocated"))).collect();
     let failed: Vec<&Create> = done.iter().filter(|c| c.result.is_err()).collect();
-    let kind = |e: &kube::Error| {
-        let e = e.to_string();
-        if e.contains("already allocated") { "already_allocated" } else if e.contains("range is full") { "range_full" } else if e.contains("failed to call webhook") { "webhook_unreachable" } else { "other" }
-    };
+    let kind = |e: &kube::Error| failure_kind(&e.to_string());
     let mut kinds = BTreeMap::new();
     for c in &failed {
         if let Err(e) = &c.result {
@@ -383,7 +380,7 @@ async fn ipaddress_backend_three_replicas_one_on_a_lagging_apiserver() {
     let mut cache: Vec<Duration> = lags.iter().map(|l| l.cache).collect();
     cache.sort();
     let consistent_max = lags.iter().map(|l| l.consistent).max().unwrap_or_default();
-    let logged = |needle: &str| wh.children.iter().map(|c| c.log().matches(needle).count()).sum::<usize>();
+    let events = wh.block_events().await;
     println!(
         "RESULT lagging-cache delay_ms={} turns={turn} lag_ms={}/{}/{} (min/median/max of {}; apiserver 1's own: {}) consistent_list_max_ms={} creates={} ok={} failed={} ({}) refused_already_allocated={} duplicates={} static_ok={} answered_by_replica={} mutate_mean_ms={} warnings_by_replica={} takeovers={} handovers={}",
         ms(delay),
@@ -403,8 +400,8 @@ async fn ipaddress_backend_three_replicas_one_on_a_lagging_apiserver() {
         answered.iter().map(|(n, _)| n.to_string()).collect::<Vec<_>>().join("/"),
         answered.iter().map(|(_, t)| ms(*t).to_string()).collect::<Vec<_>>().join("/"),
         wh.children.iter().map(|c| c.log().lines().filter(|l| l.contains(" WARN ")).count().to_string()).collect::<Vec<_>>().join("/"),
-        logged("took over an address block"),
-        logged("handed an address block over"),
+        events["taken_over"],
+        events["handed_over"],
     );
     for c in failed.iter().filter(|c| c.result.as_ref().err().is_some_and(|e| kind(e) == "other")).take(10) {
         eprintln!("failed create {} (through apiserver {}): {:?}", c.name, c.via, c.result.as_ref().err());

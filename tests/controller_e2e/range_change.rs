@@ -61,6 +61,23 @@ async fn record_gateways(wh: &Webhook, cp: &clusterip_test_support::ControlPlane
     }
 }
 
+/// Block Leases short enough for a test (D = 12 s, M = 6 s), with the apiserver's request
+/// timeout below M as the controller requires.
+const BLOCK_FLAGS: [&str; 6] = ["--address-block-lease-duration", "12s", "--address-block-margin", "6s", "--apiserver-request-timeout", "5s"];
+
+/// Every IPAddress object: its address and `<resource>/<name>` of its parentRef.
+async fn records(ipaddresses: &Api<IPAddress>) -> BTreeMap<IpAddr, String> {
+    let list = ipaddresses.list(&ListParams::default()).await.expect("list IPAddresses");
+    list.items.iter().filter_map(|o| Some((o.metadata.name.as_deref()?.parse().ok()?, format!("{}/{}", o.spec.parent_ref.resource, o.spec.parent_ref.name)))).collect()
+}
+
+/// Delete the Gateways' IPAddress objects (cluster-scoped: the harness does not).
+async fn remove_gateways(ipaddresses: &Api<IPAddress>, gateways: &BTreeMap<IpAddr, ParentRef>) {
+    for ip in gateways.keys() {
+        let _ = ipaddresses.delete(&ip.to_string(), &DeleteParams::default()).await;
+    }
+}
+
 /// Stop replica `k` as a rollout does (SIGTERM) and wait for a clean exit.
 fn stop(wh: &mut Webhook, k: usize) {
     wh.children[k].signal(libc::SIGTERM);
@@ -97,11 +114,10 @@ async fn rolling_widen(backend: &str, slice: Slice) {
     let cp = control_plane();
     let base = 8 * u32::from(slice.0);
     let (old, new) = (ServiceCidr::parse(&format!("198.19.{base}.0/22")).expect("old range"), ServiceCidr::parse(&slice.v4()).expect("new range"));
-    let block_flags = ["--address-block-lease-duration", "12s", "--address-block-margin", "6s", "--apiserver-request-timeout", "5s"];
     let mut wh = Webhook::start_with(&cp, backend, slice, |h| {
         h.replicas(2);
         h.ranges = vec![old.to_string(), slice.v6()];
-        h.flags(&block_flags);
+        h.flags(&BLOCK_FLAGS);
     })
     .await;
     let client = wh.client.clone();
@@ -177,8 +193,7 @@ async fn rolling_widen(backend: &str, slice: Slice) {
     assert_eq!(owners.len(), creates - cuts);
 
     // Each Service's address is recorded for it; the Gateways' records are untouched.
-    let list = ipaddresses.list(&ListParams::default()).await.expect("list IPAddresses");
-    let records: BTreeMap<IpAddr, String> = list.items.iter().filter_map(|o| Some((o.metadata.name.as_deref()?.parse().ok()?, format!("{}/{}", o.spec.parent_ref.resource, o.spec.parent_ref.name)))).collect();
+    let records = records(&ipaddresses).await;
     for (ip, names) in &owners {
         assert_eq!(records.get(ip), Some(&format!("services/{}", names[0])), "the record of {ip}");
     }
@@ -196,18 +211,16 @@ async fn rolling_widen(backend: &str, slice: Slice) {
         assert!(!held.is_empty(), "the /21 replicas hold no block");
     } else {
         // One map for the range, under the /22's key; the Gateways' owners read through it.
-        let prefix = format!("/clusterip-test/{}", wh.name);
+        let prefix = wh.etcd_prefix();
         assert_eq!(v4_keys(&cp, &prefix).await, BTreeSet::from([format!("{prefix}/{old}")]), "the IPv4 range keys under {prefix}");
-        let records = clusterip::store::etcd::EtcdStore::open(&clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix, ..Default::default() }, vec![new.clone()]).await.expect("open the /21's records");
+        let records = wh.records_of(&cp, vec![new.clone()]).await.expect("open the /21's records");
         for (ip, parent) in &gateways {
             assert_eq!(records.owner(*ip).await.expect("read an owner").as_ref(), Some(parent), "the owner of {ip} through the /21");
         }
         let _ = records.close().await;
     }
 
-    for ip in gateways.keys() {
-        let _ = ipaddresses.delete(&ip.to_string(), &DeleteParams::default()).await;
-    }
+    remove_gateways(&ipaddresses, &gateways).await;
 }
 
 /// A shrink /21 → /22 (the slice's lower half) as the runbook has it (docs/operations.md,
@@ -224,11 +237,10 @@ async fn rolling_shrink(backend: &str, slice: Slice) {
     let cp = control_plane();
     let base = 8 * u32::from(slice.0);
     let (old, new) = (ServiceCidr::parse(&slice.v4()).expect("old range"), ServiceCidr::parse(&format!("198.19.{base}.0/22")).expect("new range"));
-    let block_flags = ["--address-block-lease-duration", "12s", "--address-block-margin", "6s", "--apiserver-request-timeout", "5s"];
     let mut wh = Webhook::start_with(&cp, backend, slice, |h| {
         h.replicas(2);
         h.ranges = vec![old.to_string(), slice.v6()];
-        h.flags(&block_flags);
+        h.flags(&BLOCK_FLAGS);
     })
     .await;
     let api = wh.services();
@@ -256,10 +268,9 @@ async fn rolling_shrink(backend: &str, slice: Slice) {
     })
     .await;
     if backend == "etcd" {
-        let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: format!("/clusterip-test/{}", wh.name), ..Default::default() };
-        let cfg = &cfg;
+        let (wh, cp) = (&wh, &cp);
         let store = clusterip_test_support::eventually_ok("a store of the /22 opens (the removed half released in the map)", Duration::from_secs(120), Duration::from_millis(500), move || async move {
-            clusterip::store::etcd::EtcdStore::open(cfg, vec![new_c.clone()]).await
+            wh.records_of(cp, vec![new_c.clone()]).await
         })
         .await;
         let _ = store.close().await;
@@ -286,8 +297,7 @@ async fn rolling_shrink(backend: &str, slice: Slice) {
             panic!("{ip} given to {other} and {name}");
         }
     }
-    let list = ipaddresses.list(&ListParams::default()).await.expect("list IPAddresses");
-    let records: BTreeMap<IpAddr, String> = list.items.iter().filter_map(|o| Some((o.metadata.name.as_deref()?.parse().ok()?, format!("{}/{}", o.spec.parent_ref.resource, o.spec.parent_ref.name)))).collect();
+    let records = records(ipaddresses).await;
     for (ip, name) in &owners {
         assert_eq!(records.get(ip), Some(&format!("services/{name}")), "the record of {ip}");
     }
@@ -299,13 +309,11 @@ async fn rolling_shrink(backend: &str, slice: Slice) {
         let leases = &leases;
         eventually("the /21's block Leases gone", Duration::from_secs(90), move || async move { block_leases(leases, old_c).await.is_empty() }).await;
     } else {
-        let prefix = format!("/clusterip-test/{}", wh.name);
+        let prefix = wh.etcd_prefix();
         assert_eq!(v4_keys(&cp, &prefix).await.len(), 1, "one IPv4 range key under {prefix}");
     }
     println!("RESULT rolling shrink /21 -> /22 ({backend}): {} Services kept, 100 created after, 0 duplicate addresses, 0 outside the /22, 0 on a Gateway address", kept.len());
-    for ip in gateways.keys() {
-        let _ = ipaddresses.delete(&ip.to_string(), &DeleteParams::default()).await;
-    }
+    remove_gateways(&ipaddresses, &gateways).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

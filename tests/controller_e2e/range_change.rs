@@ -313,7 +313,7 @@ async fn rolling_shrink(backend: &str, slice: Slice) {
         assert_eq!(v4_keys(&cp, &prefix).await.len(), 1, "one IPv4 range key under {prefix}");
     }
     println!("RESULT rolling shrink /21 -> /22 ({backend}): {} Services kept, 100 created after, 0 duplicate addresses, 0 outside the /22, 0 on a Gateway address", kept.len());
-    remove_gateways(&ipaddresses, &gateways).await;
+    remove_gateways(ipaddresses, &gateways).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

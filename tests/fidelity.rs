@@ -24,7 +24,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::{Event, Namespace, Service};
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Client;
@@ -388,6 +388,23 @@ fn outcome(side: &Side, code: u16, body: &Value, ours: bool, dry_run: bool) -> O
     Outcome::Failed { code, reason: s(&body["reason"]), kind: s(&d["kind"]), name: s(&d["name"]), message: mask(&message), causes }
 }
 
+/// The request whose answer a case compares: made after the case's earlier steps.
+enum Final {
+    Create { body: Vec<u8>, dry_run: bool },
+    Patch { name: String, patch: Value },
+}
+
+impl Final {
+    async fn send(&self, client: &Client, namespace: &str) -> (u16, Value) {
+        let path = format!("/api/v1/namespaces/{namespace}/services");
+        let req = kube::core::Request::new(&path);
+        match self {
+            Final::Create { body, dry_run, .. } => send(client, req.create(&PostParams { dry_run: *dry_run, ..Default::default() }, body.clone())).await,
+            Final::Patch { name, patch } => send(client, req.patch(name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await,
+        }
+    }
+}
+
 /// Run one case on one side.
 async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outcome {
     side.tokens.clear();
@@ -395,41 +412,31 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
     let req = kube::core::Request::new(&path);
     let name = format!("fid-{}", case.name);
     let spec = side.fill(client, case.spec).await;
-    let (pp, dry) = (PostParams::default(), PostParams { dry_run: true, ..Default::default() });
-    let (code, body, dry_run) = match case.step {
-        Step::Create => {
-            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
-            (c, b, false)
-        }
-        Step::DryRun => {
-            let (c, b) = send(client, req.create(&dry, service_body(&name, &spec))).await;
-            (c, b, true)
-        }
+    let pp = PostParams::default();
+    let create = |dry_run| Final::Create { body: service_body(&name, &spec), dry_run };
+    let last = match case.step {
+        Step::Create => create(false),
+        Step::DryRun => create(true),
         Step::AfterHolder(holder, dry_run) => {
             let (c, b) = send(client, req.create(&pp, service_body(&format!("{name}-holder"), &side.fill_keep(holder)))).await;
             assert_eq!(c, 201, "{}: the holder was not created: {b}", case.name);
-            let (c, b) = send(client, req.create(if dry_run { &dry } else { &pp }, service_body(&name, &spec))).await;
-            (c, b, dry_run)
+            create(dry_run)
         }
         Step::Patch(patch) => {
             let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
-            let patch: Value = serde_json::from_str(&side.fill(client, patch).await).expect("patch");
-            let (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
-            (c, b, false)
+            Final::Patch { name: name.clone(), patch: serde_json::from_str(&side.fill(client, patch).await).expect("patch") }
         }
         Step::AfterFailedCreate(failing, same) => {
             let first = if same { name.clone() } else { format!("{name}-failed") };
             let (c, b) = send(client, req.create(&pp, service_body(&first, &side.fill_keep(failing)))).await;
             assert_eq!(c, 422, "{}: the failing create did not fail validation: {b}", case.name);
-            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
-            (c, b, false)
+            create(false)
         }
         Step::GenerateName => {
             let mut body: Value = serde_json::from_slice(&service_body(&name, &spec)).expect("body");
             body["metadata"] = json!({"generateName": format!("{name}-")});
-            let (c, b) = send(client, req.create(&pp, serde_json::to_vec(&body).expect("json"))).await;
-            (c, b, false)
+            Final::Create { body: serde_json::to_vec(&body).expect("json"), dry_run: false }
         }
         Step::AfterDeletes(n) => {
             for round in 0..n {
@@ -438,19 +445,20 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
                 let (c, b) = send(client, req.delete(&name, &DeleteParams::default())).await;
                 assert_eq!(c, 200, "{} (round {round}): delete: {b}", case.name);
             }
-            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
-            (c, b, false)
+            create(false)
         }
         Step::Patches(patches) => {
-            let (mut c, mut b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
+            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
             assert_eq!(c, 201, "{}: the Service to patch was not created: {b}", case.name);
-            for (i, patch) in patches.iter().enumerate() {
+            let (init, last) = patches.split_at(patches.len() - 1);
+            for (i, patch) in init.iter().enumerate() {
                 let text = side.fill_keep(patch);
                 let patch: Value = serde_json::from_str(&side.fill(client, &text).await).expect("patch");
-                (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
-                assert!(i + 1 == patches.len() || c == 200, "{}: patch {i} failed: {b}", case.name);
+                let (c, b) = send(client, req.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
+                assert_eq!(c, 200, "{}: patch {i} failed: {b}", case.name);
             }
-            (c, b, false)
+            let text = side.fill_keep(last[0]);
+            Final::Patch { name: name.clone(), patch: serde_json::from_str(&side.fill(client, &text).await).expect("patch") }
         }
         Step::AfterHolderPatched(holder, patch) => {
             let holder_name = format!("{name}-holder");
@@ -462,11 +470,81 @@ async fn run(client: &Client, side: &mut Side, case: &Case, ours: bool) -> Outco
             let patch: Value = serde_json::from_str(&side.fill_keep(patch)).expect("patch");
             let (c, b) = send(client, req.patch(&holder_name, &PatchParams::default(), &Patch::Merge(json!({"spec": patch})))).await;
             assert_eq!(c, 200, "{}: the holder did not give its addresses up: {b}", case.name);
-            let (c, b) = send(client, req.create(&pp, service_body(&name, &spec))).await;
-            (c, b, false)
+            create(false)
         }
     };
+    let (mut code, mut body) = last.send(client, &side.namespace).await;
+    if let Some((ip, event)) = repair_race(client, side, code, &body).await {
+        // The kube-apiserver's own repair controller recreated the record of an address
+        // this case's earlier steps released (see `repair_race`): the refusal is that
+        // race's, not the allocator's answer. Once the controller has collected the
+        // recreated record, the same request is asked again; it cannot meet the race twice,
+        // since the collection means the controller has seen the release.
+        eprintln!("fidelity: {} ({}): refused by the apiserver's repair race ({event}); asking again once {ip} is unrecorded", case.name, side.namespace);
+        let what = format!("the apiserver's repair controller collects the record of {ip} it recreated");
+        let (client_ref, ip_ref) = (client, &ip);
+        eventually_ok(&what, Duration::from_secs(240), Duration::from_millis(500), move || async move {
+            if unrecorded(client_ref, ip_ref.parse().expect("token address")).await {
+                Ok(())
+            } else {
+                Err("still recorded".to_string())
+            }
+        })
+        .await;
+        (code, body) = last.send(client, &side.namespace).await;
+    }
+    let dry_run = matches!(last, Final::Create { dry_run: true, .. });
     outcome(side, code, &body, ours, dry_run)
+}
+
+/// Evidence that a refusal "provided IP is already allocated" is the kube-apiserver's own
+/// repair race rather than its allocator's answer: its `ipallocator-repair-controller`
+/// watches Services and IPAddresses through separate informers, and when the deletion of an
+/// IPAddress (a Service deleted, downgraded or turned ExternalName) reaches it before the
+/// Service's change does, the Service still looks as if it held the address and the record
+/// is created again — Warning Event `ClusterIPNotAllocated`, "Cluster IP [IPv6]: <ip> is
+/// not allocated; repairing" — until the same controller collects it (as leaked, or as
+/// wrongly referenced). Returns the address and the Event's message when such an Event in
+/// the side's namespace names one of this case's addresses and the refusal is "already
+/// allocated".
+async fn repair_race(client: &Client, side: &Side, code: u16, body: &Value) -> Option<(String, String)> {
+    if code != 422 || !body["message"].as_str().unwrap_or_default().contains("provided IP is already allocated") {
+        return None;
+    }
+    let events: Api<Event> = Api::namespaced(client.clone(), &side.namespace);
+    let list = events.list(&ListParams::default().fields("reason=ClusterIPNotAllocated")).await.expect("list Events");
+    list.items.iter().find_map(|e| repaired(e, side.tokens.values()).map(|ip| (ip, e.message.clone().unwrap_or_default())))
+}
+
+/// The address among `ips` that `event` says the apiserver's `ipallocator-repair-controller`
+/// recreated a record of. Only that controller's Events count: ours reports as
+/// `clusterip-controller`, and a record it recreated would be our defect, not a race in the
+/// judge. (core/v1's view of an events.k8s.io Event names the controller in
+/// `reportingComponent`; a legacy recorder's, in `source.component`.)
+fn repaired<'a>(event: &Event, ips: impl IntoIterator<Item = &'a String>) -> Option<String> {
+    let name = "ipallocator-repair-controller";
+    let from_repair = event.reporting_component.as_deref() == Some(name) || event.source.as_ref().and_then(|s| s.component.as_deref()) == Some(name);
+    let message = event.message.as_deref().unwrap_or_default();
+    if event.reason.as_deref() != Some("ClusterIPNotAllocated") || !from_repair {
+        return None;
+    }
+    // "Cluster IP [IPv6]: <ip> is not allocated; repairing" (and the "]:<ip>" spelling).
+    ips.into_iter().find(|ip| message.contains(&format!(" {ip} is not allocated")) || message.contains(&format!(":{ip} is not allocated"))).cloned()
+}
+
+#[test]
+fn a_repair_event_is_recognised_only_from_the_apiservers_controller_and_for_its_address() {
+    let event = |component: &str, message: &str| -> Event {
+        serde_json::from_value(json!({"metadata": {"name": "e"}, "involvedObject": {}, "reason": "ClusterIPNotAllocated", "reportingComponent": component, "message": message})).expect("event")
+    };
+    let ips = ["fd00:10:96::c401".to_string(), "198.19.124.1".to_string()];
+    let stock = event("ipallocator-repair-controller", "Cluster IP [IPv6]: fd00:10:96::c401 is not allocated; repairing");
+    assert_eq!(repaired(&stock, &ips), Some("fd00:10:96::c401".to_string()));
+    assert_eq!(repaired(&event("ipallocator-repair-controller", "Cluster IP [IPv4]:198.19.124.1 is not allocated; repairing"), &ips), Some("198.19.124.1".to_string()));
+    // Another address that merely starts with one of ours.
+    assert_eq!(repaired(&event("ipallocator-repair-controller", "Cluster IP [IPv4]: 198.19.124.10 is not allocated; repairing"), &ips), None);
+    // Our own controller's Event of the same text is not the judge's race.
+    assert_eq!(repaired(&event("clusterip-controller", "Cluster IP [IPv6]: fd00:10:96::c401 is not allocated; repairing"), &ips), None);
 }
 
 impl Side {

@@ -52,6 +52,10 @@ use crate::sync::lock;
 /// Dynamic candidates skipped because the cluster already records them, per request.
 const MAX_SKIPPED: usize = 64;
 
+/// How many deleted records of answered addresses [`Admission::follow_records`] judges at
+/// once (each judgement is one read of a Service from storage).
+const DELETIONS_JUDGED_AT_ONCE: usize = 32;
+
 /// How long an address answered here may go unrecorded by the kube-apiserver before it is
 /// released: longer than any request can last after our answer (the apiserver's request
 /// timeout, `--request-timeout`, 60 s by default), with a margin.
@@ -86,7 +90,8 @@ pub struct SweepResult {
     pub settled: usize,
     /// Never recorded within the limit: released.
     pub released: Vec<IpAddr>,
-    /// Still waiting (young, or the check failed and is tried again).
+    /// Still waiting (young; the check failed and is tried again; or a stored Service holds
+    /// it while its record is gone, and it is looked at again after the limit).
     pub waiting: usize,
 }
 
@@ -306,6 +311,10 @@ impl Admission {
     /// subscription missed (it lagged, or the watch listed anew) leave their addresses to
     /// [`Self::sweep_in_flight`]. Runs until the view's watch ends.
     pub async fn follow_records(self: Arc<Self>, mut changes: broadcast::Receiver<IpChange>) {
+        // Each deletion is judged on a task of its own: the judgement reads the Service
+        // from storage, and one at a time a loaded apiserver would let them queue behind
+        // creates — while the store keeps each pick until it is given back here.
+        let judging = Arc::new(tokio::sync::Semaphore::new(DELETIONS_JUDGED_AT_ONCE));
         loop {
             let ip = match changes.recv().await {
                 Ok(IpChange::Added(ip)) => {
@@ -323,38 +332,53 @@ impl Admission {
                 Err(broadcast::error::RecvError::Closed) => return,
             };
             let Some(entry) = lock(&self.in_flight).get(&ip).filter(|e| e.recorded).cloned() else { continue };
-            // A record deleted under a Service that still holds the address (the
-            // kube-apiserver's repair deletes and recreates a record its informers judge
-            // wrong; a delete by hand) is no failed create: kept, until the record is back or
-            // the in-flight sweep settles it.
-            match self.held_by_service(ip, &entry.parent).await {
-                Ok(false) => {}
-                Ok(true) => {
-                    info!(%ip, service = %entry.parent, "the IPAddress of an address this replica answered was deleted while its Service still holds it; kept (not released)");
-                    self.hold_for(ip, &entry.parent).await;
-                    if let Some(e) = lock(&self.in_flight).get_mut(&ip).filter(|e| e.since == entry.since) {
-                        e.recorded = false;
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    warn!(%ip, error = %e, "could not read whether a Service holds an address whose record was deleted; it goes after the in-flight limit");
-                    continue;
-                }
-            }
-            match self.store.release_owned(ip, &entry.parent).await {
-                Ok(()) => {
-                    debug!(%ip, service = %entry.parent, "released an address the apiserver recorded after our answer and released again (the create failed, or the Service was deleted)");
-                    self.count_released("apiserver_released", 1);
-                }
-                Err(StoreError::NotOwner { .. }) => {}
-                Err(e) => {
-                    warn!(%ip, error = %e, "could not release an address whose create failed; it goes after the in-flight limit");
-                    continue;
-                }
-            }
-            self.forget_if_unchanged(ip, &entry);
+            let Ok(permit) = judging.clone().acquire_owned().await else { return };
+            let me = self.clone();
+            tokio::spawn(async move {
+                me.record_deleted(ip, &entry).await;
+                drop(permit);
+            });
         }
+    }
+
+    /// The record of `ip`, answered here for `entry` and seen recorded, was deleted: release
+    /// the address unless a stored Service still holds it.
+    async fn record_deleted(&self, ip: IpAddr, entry: &InFlight) {
+        // A record deleted under a Service that still holds the address (the
+        // kube-apiserver's repair deletes and recreates a record its informers judge
+        // wrong; a delete by hand) is no failed create: kept, until the record is back or
+        // the in-flight sweep settles it.
+        match self.held_by_service(ip, &entry.parent).await {
+            Ok(false) => {}
+            Ok(true) => {
+                info!(%ip, service = %entry.parent, "the IPAddress of an address this replica answered was deleted while its Service still holds it; kept (not released)");
+                self.hold_for(ip, &entry.parent).await;
+                if let Some(e) = lock(&self.in_flight).get_mut(&ip).filter(|e| e.since == entry.since) {
+                    e.recorded = false;
+                }
+                return;
+            }
+            Err(e) => {
+                warn!(%ip, error = %e, "could not read whether a Service holds an address whose record was deleted; it goes after the in-flight limit");
+                return;
+            }
+        }
+        if lock(&self.in_flight).get(&ip).is_none_or(|e| e.since != entry.since) {
+            // Answered again meanwhile (a retry of the same Service): that answer's now.
+            return;
+        }
+        match self.store.release_owned(ip, &entry.parent).await {
+            Ok(()) => {
+                debug!(%ip, service = %entry.parent, "released an address the apiserver recorded after our answer and released again (the create failed, or the Service was deleted)");
+                self.count_released("apiserver_released", 1);
+            }
+            Err(StoreError::NotOwner { .. }) => {}
+            Err(e) => {
+                warn!(%ip, error = %e, "could not release an address whose create failed; it goes after the in-flight limit");
+                return;
+            }
+        }
+        self.forget_if_unchanged(ip, entry);
     }
 
     /// Drop `ip`'s in-flight entry, unless answered again meanwhile (a retry of the same
@@ -394,11 +418,18 @@ impl Admission {
                 }
                 Ok(false) => match self.held_by_service(ip, &entry.parent).await {
                     // Stored, its record deleted meanwhile: the Service holds it (the repair
-                    // pass records it again); never released.
+                    // pass records it again); never released. It stays in flight, anew: the
+                    // next sweep past the limit settles it once the record is back, or
+                    // releases it if the Service went meanwhile without one (else the hold
+                    // would outlive the Service).
                     Ok(true) => {
                         self.hold_for(ip, &entry.parent).await;
-                        result.settled += 1;
-                        true
+                        let mut f = lock(&self.in_flight);
+                        if let Some(e) = f.get_mut(&ip).filter(|e| e.since == entry.since) {
+                            e.since = Instant::now();
+                            e.recorded = false;
+                        }
+                        false
                     }
                     Err(e) => {
                         warn!(%ip, error = %e, "could not read whether a Service holds an answered address; trying again");

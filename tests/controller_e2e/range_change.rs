@@ -2,7 +2,7 @@
 //! replicas of the old range and of the wider new one side by side behind the webhook, with
 //! Gateway-owned addresses and Services being created throughout (issue 32, "Changing
 //! `--service-cidr`"; the etcd backend's store-level cases, a shrink among them, are in
-//! tests/range_change.rs).
+//! tests/range_change.rs): a widen, a shrink, and a move (an add, then a shrink).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -316,6 +316,164 @@ async fn rolling_shrink(backend: &str, slice: Slice) {
     remove_gateways(ipaddresses, &gateways).await;
 }
 
+/// A move A → B (the slice's lower and upper /22, sharing no address) as the runbook has it
+/// (docs/operations.md, "Changing the service range"), on a control plane of its own (every
+/// slice of the shared one is taken): two replicas of A hold 40 Services; **add** B, first
+/// (`B,A`), as a rolling update while `creates` Services are created one after another
+/// (`CLUSTERIP_RANGE_CHANGE_CREATES`, default 300, a fifth per step of the rollout); the
+/// Services in A are re-created (they get B); **remove** A as a shrink (a rolling update to
+/// `B` with no creates meanwhile); 60 more creates. Expected: every create succeeds, no
+/// address is given twice at any step, creates answered by a `B,A` replica land in B, the
+/// last 60 in B, each Service's address is recorded for it, and nothing of A is left in use:
+/// no block Lease naming it (ipaddress; deleted by a B replica after D), its map empty
+/// before A is removed (etcd; the key itself stays, as docs/operations.md says).
+async fn rolling_move(backend: &str) {
+    let creates: usize = std::env::var("CLUSTERIP_RANGE_CHANGE_CREATES").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+    let cp = clusterip_test_support::ControlPlane::private(&format!("range-move-{backend}"));
+    let slice = Slice(5);
+    let base = 8 * u32::from(slice.0);
+    let a_range = ServiceCidr::parse(&format!("198.19.{base}.0/22")).expect("A");
+    let b_range = ServiceCidr::parse(&format!("198.19.{}.0/22", base + 4)).expect("B");
+    let mut wh = Webhook::start_with(&cp, backend, slice, |h| {
+        h.replicas(2);
+        h.ranges = vec![a_range.to_string(), slice.v6()];
+        h.flags(&BLOCK_FLAGS);
+    })
+    .await;
+    let api = wh.services();
+    let ipaddresses: Api<IPAddress> = Api::all(wh.client.clone());
+    let v4 = |svc: &k8s_openapi::api::core::v1::Service| ips(svc).into_iter().find(|ip| ip.is_ipv4()).expect("an IPv4 address");
+
+    // Every live Service by IPv4 address: a second Service on one is a failure at once.
+    let mut owners: BTreeMap<IpAddr, String> = BTreeMap::new();
+    let own = |owners: &mut BTreeMap<IpAddr, String>, ip: IpAddr, name: &str| {
+        if let Some(other) = owners.insert(ip, name.to_string()) {
+            panic!("{ip} given to {other} and {name}");
+        }
+    };
+    for i in 0..40 {
+        let name = format!("a-{i}");
+        let svc = api.create(&PostParams::default(), &service(&name, |_| {})).await.unwrap_or_else(|e| panic!("create {name}: {e}"));
+        assert!(a_range.contains(v4(&svc)), "{name} got {} outside A", v4(&svc));
+        own(&mut owners, v4(&svc), &name);
+    }
+
+    // Add B, first, while Services are created.
+    let done = Arc::new(AtomicUsize::new(0));
+    let load = {
+        let (api, done) = (api.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut results = Vec::new();
+            for i in 0..creates {
+                let r = api.create(&PostParams::default(), &service(&format!("svc-{i}"), |_| {})).await;
+                results.push((format!("svc-{i}"), r));
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+            results
+        })
+    };
+    let reached = |n: usize| {
+        let done = done.clone();
+        move || {
+            let done = done.clone();
+            async move { done.load(Ordering::SeqCst) >= n }
+        }
+    };
+    let added = vec![b_range.to_string(), a_range.to_string(), slice.v6()];
+    let step = creates / 5;
+    eventually("the first fifth of the creates", Duration::from_secs(300), reached(step)).await;
+    let n1 = wh.add_replica(&cp, &added).await;
+    wh.route_only(&[0, 1, n1]).await;
+    eventually("the second fifth", Duration::from_secs(300), reached(2 * step)).await;
+    wh.route_only(&[1, n1]).await;
+    stop(&mut wh, 0);
+    eventually("the third fifth", Duration::from_secs(300), reached(3 * step)).await;
+    let n2 = wh.add_replica(&cp, &added).await;
+    wh.route_only(&[n1, n2]).await;
+    stop(&mut wh, 1);
+    let only_new_from = done.load(Ordering::SeqCst);
+    let results = load.await.expect("the load task");
+    let cut = |e: &kube::Error| {
+        matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains("failed calling webhook")
+            && ["EOF", "broken pipe", "connection reset", "client connection force closed", "client connection lost"].iter().any(|t| s.message.contains(t)))
+    };
+    let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().filter(|e| !cut(e)).map(|e| format!("{n}: {e}"))).collect();
+    assert!(failed.is_empty(), "{} of {creates} creates failed during the add: {:?}", failed.len(), &failed[..failed.len().min(10)]);
+    let cuts = results.iter().filter(|(_, r)| r.is_err()).count();
+    assert!(cuts <= 8, "{cuts} creates lost to the proxy's cuts: more than two per route change");
+    for (i, (name, r)) in results.iter().enumerate() {
+        let Ok(svc) = r else { continue };
+        let ip = v4(svc);
+        assert!(a_range.contains(ip) || b_range.contains(ip), "{name} got {ip}, in neither range");
+        // Once only `B,A` replicas answer, everything comes from B (it has room).
+        assert!(i < only_new_from || b_range.contains(ip), "{name}, answered by a B,A replica, got {ip} in A");
+        own(&mut owners, ip, name);
+    }
+
+    // The Services in A are re-created: they get B.
+    let in_a: Vec<(IpAddr, String)> = owners.iter().filter(|(ip, _)| a_range.contains(**ip)).map(|(ip, n)| (*ip, n.clone())).collect();
+    for (ip, name) in &in_a {
+        api.delete(name, &DeleteParams::default()).await.unwrap_or_else(|e| panic!("delete {name}: {e}"));
+        owners.remove(ip);
+    }
+    for (_, name) in &in_a {
+        let svc = api.create(&PostParams::default(), &service(name, |_| {})).await.unwrap_or_else(|e| panic!("re-create {name}: {e}"));
+        assert!(b_range.contains(v4(&svc)), "{name}, re-created, got {} outside B", v4(&svc));
+        own(&mut owners, v4(&svc), name);
+    }
+    let (ipaddresses_ref, a_ref) = (&ipaddresses, &a_range);
+    eventually("no IPAddress left in A", Duration::from_secs(120), move || async move {
+        let list = ipaddresses_ref.list(&ListParams::default()).await.expect("list IPAddresses");
+        !list.items.iter().filter_map(|o| o.metadata.name.as_deref()?.parse::<IpAddr>().ok()).any(|ip| a_ref.contains(ip))
+    })
+    .await;
+    if backend == "etcd" {
+        // Released in A's map too (the leader's Service reconciler, a `B,A` replica) before A
+        // is removed: no replica of `B` alone will ever touch that map again.
+        let (wh, cp) = (&wh, &cp);
+        eventually("A's map holds nothing", Duration::from_secs(120), move || async move {
+            let store = wh.records_of(cp, vec![a_ref.clone()]).await.expect("open A's records");
+            let left = store.allocated().await.expect("read A's map");
+            let _ = store.close().await;
+            left.is_empty()
+        })
+        .await;
+    }
+
+    // Remove A: a rolling update to `B`, no creates meanwhile.
+    let moved = vec![b_range.to_string(), slice.v6()];
+    let m1 = wh.add_replica(&cp, &moved).await;
+    wh.route_only(&[m1]).await;
+    stop(&mut wh, n1);
+    stop(&mut wh, n2);
+    let m2 = wh.add_replica(&cp, &moved).await;
+    wh.route_only(&[m1, m2]).await;
+    for i in 0..60 {
+        let name = format!("b-{i}");
+        let svc = api.create(&PostParams::default(), &service(&name, |_| {})).await.unwrap_or_else(|e| panic!("create {name} after the move: {e}"));
+        assert!(b_range.contains(v4(&svc)), "{name} got {} outside B", v4(&svc));
+        own(&mut owners, v4(&svc), &name);
+    }
+
+    let records = records(&ipaddresses).await;
+    for (ip, name) in &owners {
+        assert_eq!(records.get(ip), Some(&format!("services/{name}")), "the record of {ip}");
+    }
+    if backend == "ipaddress" {
+        let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
+        let leases = &leases;
+        eventually("A's block Leases gone", Duration::from_secs(90), move || async move { block_leases(leases, a_ref).await.is_empty() }).await;
+    } else {
+        // A's key stays behind, empty (docs/operations.md), beside B's.
+        let prefix = wh.etcd_prefix();
+        assert_eq!(v4_keys(&cp, &prefix).await, BTreeSet::from([format!("{prefix}/{a_range}"), format!("{prefix}/{b_range}")]), "the IPv4 range keys under {prefix}");
+        let store = wh.records_of(&cp, vec![a_range.clone()]).await.expect("open A's records");
+        assert_eq!(store.allocated().await.expect("read A's map"), Vec::<IpAddr>::new(), "A's map after the move");
+        let _ = store.close().await;
+    }
+    println!("RESULT rolling move /22 A -> /22 B ({backend}): {} Services, {} re-created out of A, {cuts} creates lost to the proxy's cuts, 0 duplicate addresses", owners.len(), in_a.len());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ipaddress_backend_rolling_widen_gives_nothing_twice_and_leaves_nothing_behind() {
     rolling_widen("ipaddress", Slice(26)).await;
@@ -334,4 +492,14 @@ async fn ipaddress_backend_rolling_shrink_with_the_removed_part_freed_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_backend_rolling_shrink_with_the_removed_part_freed_first() {
     rolling_shrink("etcd", Slice(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_rolling_move_to_a_new_range() {
+    rolling_move("ipaddress").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_rolling_move_to_a_new_range() {
+    rolling_move("etcd").await;
 }

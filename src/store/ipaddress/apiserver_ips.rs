@@ -239,6 +239,12 @@ impl ApiserverIps {
         Self { clock, ..self }
     }
 
+    /// The view gains `ip` as the watch's add would (for tests of a fixed view).
+    #[cfg(test)]
+    pub fn add(&self, ip: IpAddr) {
+        write(&self.set).addresses.insert(ip);
+    }
+
     /// The view loses `ip` as the watch's delete would (for tests of a fixed view).
     #[cfg(test)]
     pub fn remove(&self, ip: IpAddr) {

@@ -16,9 +16,7 @@ use super::layout::{block_of, blocks_overlapping, foreign_span, free_block, leas
 use crate::cidr::{Family, ServiceCidr};
 use crate::clock::Moment;
 use crate::k8s::lease::{holder, Observation, Renewal};
-use crate::store::ipaddress::apiserver_ips::Released;
-#[cfg(doc)]
-use crate::store::ipaddress::apiserver_ips::SETTLE;
+use crate::store::ipaddress::apiserver_ips::{Released, SETTLE};
 use crate::store::ParentRef;
 
 /// A replica takes another block of a range, ahead of need, once its usable blocks of the
@@ -95,10 +93,13 @@ struct Held {
     unconfirmed: bool,
 }
 
-/// An address answered (or requested) here and not yet seen recorded.
+/// An address answered (or requested) here: held until the view has shown it recorded
+/// and [`SETTLE`] has passed since it was picked ([`Book::settle`]), or the admission gives
+/// it back.
 #[derive(Clone, Debug)]
 struct Pending {
     parent: Option<ParentRef>,
+    at: Moment,
 }
 
 /// Another replica's block as this one observes it.
@@ -260,13 +261,13 @@ impl Book {
         recorded.contains(&ip) || self.pending.contains_key(&ip) || self.held.iter().any(|h| h.listed.contains(&ip))
     }
 
-    /// A requested address: false when taken; else held pending here, so that this replica
-    /// never picks it, until the view shows it recorded.
-    pub fn hold_requested(&mut self, ip: IpAddr, parent: Option<&ParentRef>, recorded: &HashSet<IpAddr>) -> bool {
+    /// A requested address: false when taken; else held pending here from `now`, so that
+    /// this replica never picks it (see [`Self::settle`]).
+    pub fn hold_requested(&mut self, ip: IpAddr, parent: Option<&ParentRef>, recorded: &HashSet<IpAddr>, now: Moment) -> bool {
         if self.taken(recorded, ip) {
             return false;
         }
-        self.pending.insert(ip, Pending { parent: parent.cloned() });
+        self.pending.insert(ip, Pending { parent: parent.cloned(), at: now });
         true
     }
 
@@ -309,7 +310,7 @@ impl Book {
             let h = &mut self.held[i];
             h.cursor = if off + 1 >= h.span.end { h.span.first } else { off + 1 };
             h.last_pick = now;
-            self.pending.insert(ip, Pending { parent: parent.cloned() });
+            self.pending.insert(ip, Pending { parent: parent.cloned(), at: now });
         }
         let low = !self.has_free(recorded, range, now, None, LEAD_BLOCKS * self.sizes[range], &settled);
         (chosen.map(|c| c.2), low)
@@ -624,13 +625,14 @@ impl Book {
         out
     }
 
-    /// At shutdown: no more picks from any block; the blocks with no pick pending, to give
-    /// back (the others expire).
-    pub fn choose_close(&mut self) -> Vec<(String, Lease)> {
+    /// At shutdown: no more picks from any block; the blocks with no pick in flight, to
+    /// give back (the others expire).
+    pub fn choose_close(&mut self, recorded: &HashSet<IpAddr>) -> Vec<(String, Lease)> {
         let mut out = Vec::new();
-        for h in self.held.iter_mut() {
+        for i in 0..self.held.len() {
+            let busy = self.in_flight(recorded, &self.cidrs[self.held[i].range], &self.held[i].span);
+            let h = &mut self.held[i];
             h.returning = true;
-            let busy = self.pending.keys().any(|ip| h.span.covers(&self.cidrs[h.range], *ip));
             if !busy {
                 out.push((h.name.clone(), h.lease.clone()));
             }
@@ -662,9 +664,15 @@ impl Book {
         self.held.iter().filter(|h| h.unconfirmed).map(|h| (h.name.clone(), h.lease.clone())).collect()
     }
 
-    /// Picks and listed addresses the view shows recorded: the view covers them now.
-    pub fn settle(&mut self, recorded: &HashSet<IpAddr>) {
-        self.pending.retain(|ip, _| !recorded.contains(ip));
+    /// Listed addresses the view shows recorded, and picks it shows recorded that were made
+    /// at least [`SETTLE`] before `now`: the view covers them from then on. A pick is not let
+    /// go when the view first shows its record: a kube-apiserver whose repair controller
+    /// lags deletes a just-stored Service's record and creates it again (its informers
+    /// disagree: docs/reliability.md, "Fixed: two Services on one address"), and in that
+    /// gap nothing but the pick keeps the address from the next dynamic pick. The admission
+    /// gives a pick back at once when its create failed ([`Self::release_owned`]).
+    pub fn settle(&mut self, recorded: &HashSet<IpAddr>, now: Moment) {
+        self.pending.retain(|ip, p| !recorded.contains(ip) || now.saturating_duration_since(p.at) < SETTLE);
         for h in self.held.iter_mut() {
             h.listed.retain(|ip| !recorded.contains(ip));
         }

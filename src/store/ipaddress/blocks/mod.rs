@@ -15,8 +15,8 @@
 //! - **Picks in memory.** A replica answers a dynamic request with an address of a block it
 //!   holds, skipping what the watch-fed IPAddress set ([`ApiserverIps`]) shows, what the
 //!   consistent list made when it took the block showed, and its own picks not yet recorded
-//!   (*pending*, until the view shows the IPAddress or the admission gives the address back
-//!   after its in-flight limit). Nothing cluster-wide is written per admission.
+//!   (*pending*, until the view shows the IPAddress and the pick is `SETTLE` old, or the
+//!   admission gives the address back). Nothing cluster-wide is written per admission.
 //! - **Renewal and the margin.** The holder renews each Lease every `renew_every` (an update
 //!   with the Lease's resourceVersion as precondition) and picks from a block only while the
 //!   last renewal it saw confirmed was *sent* less than `lease_duration − margin` ago, on its
@@ -53,7 +53,7 @@
 //!
 //! Blocks go back (Lease deleted, resourceVersion precondition) at shutdown
 //! ([`AllocationStore::close`]) and when idle, but only when none of their picks is still
-//! pending: a block given back with an answered, unrecorded address could be taken by a
+//! in flight (pending and not yet recorded): a block given back with an answered, unrecorded address could be taken by a
 //! replica whose consistent list does not show it yet.
 
 //! Layers: `layout.rs` (block math and the Lease's shape) → `book.rs` (the pure book: every
@@ -655,14 +655,14 @@ impl BlockStore {
         (outcome == GiveBack::Gone).then_some(name)
     }
 
-    /// Renew the blocks held, observe the others, settle picks the view shows recorded,
-    /// give idle blocks back. The background task runs it every `renew_every`.
+    /// Renew the blocks held, observe the others, settle picks the view shows recorded
+    /// ([`Book::settle`]), give idle blocks back. The background task runs it every `renew_every`.
     pub async fn tick(&self) -> TickResult {
         let mut result = TickResult::default();
         {
             let mut book = lock(&self.book);
             let recorded = self.recorded.view();
-            book.settle(&recorded);
+            book.settle(&recorded, self.now());
         }
         // Give-backs of unknown outcome: tried again until known.
         let unconfirmed = lock(&self.book).unconfirmed();
@@ -859,14 +859,14 @@ impl AllocationStore for BlockStore {
 
     /// A requested address: refused when the view shows it recorded or this replica has it
     /// pending (the admission then reads the apiserver's record to decide); otherwise held
-    /// pending here, so this replica never picks it dynamically, until the view shows it.
+    /// pending here, so this replica never picks it dynamically ([`Book::settle`]).
     async fn allocate(&self, ip: IpAddr, parent: Option<&ParentRef>) -> Result<(), StoreError> {
         let mut book = lock(&self.book);
         if book.range_of(ip).is_none() {
             RangeSet::new(book.allocatable_cidrs()).index_of(ip)?;
         }
         let recorded = self.recorded.view();
-        if !book.hold_requested(ip, parent, &recorded) {
+        if !book.hold_requested(ip, parent, &recorded, self.now()) {
             return Err(StoreError::Alloc(AllocError::Allocated));
         }
         Ok(())
@@ -975,7 +975,11 @@ impl AllocationStore for BlockStore {
     /// duration, once their answers are stored or failed).
     async fn close(&self) -> Result<(), StoreError> {
         lock(&self.tasks).abort_all();
-        let chosen = lock(&self.book).choose_close();
+        let chosen = {
+            let mut book = lock(&self.book);
+            let recorded = self.recorded.view();
+            book.choose_close(&recorded)
+        };
         for (name, lease) in chosen {
             if self.give_back_lease(&name, &lease).await == GiveBack::Gone {
                 lock(&self.book).drop_block(&name);

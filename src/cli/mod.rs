@@ -4,6 +4,7 @@ mod allocate;
 pub mod backend;
 pub mod completion;
 mod controller;
+mod explain;
 mod import;
 mod monitoring;
 mod reconcilers;
@@ -48,6 +49,10 @@ pub enum Command {
     /// (leaks, missing records, duplicates, out-of-range addresses, ...); --fix repairs it.
     /// Exit code: 0 = consistent, 1 = drift found (or left), 2 = error.
     Repair(repair::RepairArgs),
+    /// Explain one address: the range and band it falls in, the Services that hold it, its
+    /// IPAddress object, the backend's record (etcd map and owner record, or address block),
+    /// and whether they all agree. Exit code: 0 = they agree, 1 = they disagree, 2 = error.
+    Explain(explain::ExplainArgs),
     /// Print the CustomResourceDefinitions the project ships (IPAddress and ServiceCIDR in
     /// networking.k8s.io/v1, for clusters older than 1.33 that do not serve them) as YAML.
     Crds,
@@ -83,6 +88,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Controller(args) => controller::run(*args).await,
         Command::ImportRangeallocation(args) => import::run(args).await,
         Command::Repair(args) => repair::run(args).await,
+        Command::Explain(args) => explain::run(args).await,
         Command::Crds => {
             print!("{}", crate::crds::yaml()?);
             Ok(0)

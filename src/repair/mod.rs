@@ -12,6 +12,7 @@
 //! IPAddress) are confirmed by reading that one object again before they are reported.
 
 pub mod decide;
+pub mod explain;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;

@@ -22,6 +22,7 @@ pub mod crds;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod history;
 pub mod k8s;
 pub mod metrics;
 pub mod repair;

@@ -246,7 +246,7 @@ fn deploy_tree_passes_a_server_side_dry_run() {
     // watched for hand-over requests, which are written by patch.
     assert_eq!(
         grants(lease_role),
-        expect_grants(&[("coordination.k8s.io", "leases", &["get", "list", "watch", "create", "delete", "update", "patch"])]),
+        expect_grants(&[("coordination.k8s.io", "leases", &["get", "list", "watch", "create", "delete", "update", "patch"]), ("", "configmaps", &["list", "create", "update", "delete"])]),
         "lease Role"
     );
     for binding in [find(&items, "ClusterRoleBinding", "", "clusterip-controller"), find(&items, "RoleBinding", NS, "clusterip-controller-leases")] {

@@ -640,3 +640,54 @@ async fn explain_tells_who_holds_an_address_and_whether_the_ipaddress_records_ag
     assert_eq!(leak["block"], Value::Null);
     let _ = Api::<IPAddress>::all(client).delete("198.18.166.15", &DeleteParams::default()).await;
 }
+
+/// The address history through a controller (ipaddress backend, leading in the test's own
+/// namespace, where it keeps the history): a Service holds an address, is deleted, another
+/// takes the address; `clusterip explain --namespace` tells both holdings, the first ended,
+/// the second current.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
+    let cp = control_plane();
+    let ns = Ns::new(&cp).await;
+    let mut args = controller_common::client_auth_args(&cp);
+    args.extend(controller_common::controller_args(&cp, "ipaddress", "198.19.0.96/28", &unique_name("history"), &ns.name, "history-0", &cp.kubeconfig()));
+    args.extend(strs(&["--address-history-chunks", "16", "--repair-interval", "0"]));
+    let mut child = Controller::start(args);
+    // The leader records from its first list of IPAddresses on (the shared cluster's, never
+    // none: the apiserver's `kubernetes` Service holds one), written as the first chunk.
+    let chunks: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(cp.client().await, &ns.name);
+    let chunks_ref = &chunks;
+    eventually("the leader's first history chunk", Duration::from_secs(60), move || async move {
+        chunks_ref.list(&ListParams::default().labels(clusterip::history::LABEL)).await.is_ok_and(|l| !l.items.is_empty())
+    })
+    .await;
+    ns.service("web", &["198.19.0.97"]).await;
+    ns.services().delete("web", &DeleteParams::default()).await.expect("delete web");
+    // The apiserver releases web's record as the delete returns; api may take it at once.
+    ns.service("api", &["198.19.0.97"]).await;
+
+    let mut explain_args = strs(&["--backend", "ipaddress", "--service-cidr", "198.19.0.96/28", "--namespace", &ns.name, "--kubeconfig"]);
+    explain_args.push(cp.kubeconfig().display().to_string());
+    let (web, api) = (format!("services/{}/web", ns.name), format!("services/{}/api", ns.name));
+    let (explain_args, web_ref, api_ref) = (&explain_args, &web, &api);
+    let found = clusterip_test_support::eventually_ok("both holdings of 198.19.0.97 in the history", Duration::from_secs(60), Duration::from_millis(500), move || async move {
+        let (code, json) = explain("198.19.0.97", explain_args).await;
+        let history = json["history"].as_array().cloned().unwrap_or_default();
+        let parents: Vec<&str> = history.iter().filter_map(|h| h["parent"].as_str()).collect();
+        if code == 0 && parents == [web_ref.as_str(), api_ref.as_str()] {
+            Ok(json)
+        } else {
+            Err(format!("exit {code}: {:#}", json["history"]))
+        }
+    })
+    .await;
+    let text = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).args(["explain", "198.19.0.97"]).args(explain_args).output().expect("explain (text)");
+    let text = String::from_utf8_lossy(&text.stdout);
+    eprintln!("clusterip explain 198.19.0.97 (text):\n{text}");
+    assert!(text.contains(&format!("history    {web} ")) && text.contains(&format!("{api} ")) && text.contains("→ now"), "{text}");
+    child.kill();
+    let history = found["history"].as_array().expect("history");
+    assert!(history[0]["from"].is_string() && history[0]["to"].is_string(), "web's holding has both ends: {found:#}");
+    assert!(history[1]["from"].is_string() && history[1]["to"].is_null(), "api holds it still: {found:#}");
+    assert_eq!(found["owner"], api.as_str());
+}

@@ -209,6 +209,12 @@ pub struct ControllerArgs {
     /// the repair pass once older than this.
     #[arg(long, default_value = "60s", value_parser = clusterip_component_base::parse_duration)]
     pub repair_grace_period: std::time::Duration,
+
+    /// How many chunks of the address history the leader keeps (ConfigMaps
+    /// `clusterip-address-history-<n>` in --leader-elect-namespace, up to 64 KiB each: who
+    /// held each address, from when to when, for `clusterip explain`); 0: record none.
+    #[arg(long, env = "CLUSTERIP_ADDRESS_HISTORY_CHUNKS", default_value_t = crate::history::DEFAULT_CHUNKS)]
+    pub address_history_chunks: usize,
 }
 
 fn parse_pool(s: &str) -> Result<usize, String> {
@@ -288,6 +294,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         repair_target: backend.repair,
         repair_interval: args.repair_interval,
         repair_grace: args.repair_grace_period,
+        history_namespace: args.leader_elect_namespace.clone(),
+        history_chunks: args.address_history_chunks,
     };
     let mut signals = Signals::new()?;
     let mut election = match args.leader_elect {

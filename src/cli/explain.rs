@@ -20,8 +20,8 @@ pub struct ExplainArgs {
     #[command(flatten)]
     pub backend: BackendArgs,
 
-    /// (ipaddress backend) Namespace of the controller's address block Leases (its
-    /// --leader-elect-namespace).
+    /// Namespace of the controller (its --leader-elect-namespace): where its address block
+    /// Leases (ipaddress backend) and the address history are kept.
     #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
     pub namespace: String,
 

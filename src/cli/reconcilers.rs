@@ -1,5 +1,5 @@
 //! The reconcilers a leading controller replica runs: the Service reconciler, the
-//! ServiceCIDR reconciler and the repair loop, started together and stopped together
+//! ServiceCIDR reconciler, the repair loop and the address history's recorder, started together and stopped together
 //! (`controller::supervise` starts them when the replica leads and aborts them when it
 //! stops). Wiring, beside the command: the repair pass sits above the control loops.
 
@@ -30,6 +30,9 @@ pub struct Reconcilers {
     pub repair_interval: Duration,
     /// An IPAddress of ours without its Service is released once older than this.
     pub repair_grace: Duration,
+    /// Where the address history is kept ([`crate::history`]), and how many chunks; 0: none.
+    pub history_namespace: String,
+    pub history_chunks: usize,
 }
 
 impl Reconcilers {
@@ -44,13 +47,19 @@ impl Reconcilers {
                 .with_metrics(self.metrics.clone());
             repair::run_loop(repairer, self.repair_interval)
         });
+        let history = (self.history_chunks > 0).then(|| crate::history::record(self.client.clone(), self.history_namespace.clone(), self.history_chunks));
         tokio::spawn(async move {
             let repair = async move {
                 if let Some(r) = repair {
                     r.await
                 }
             };
-            tokio::join!(svc, servicecidrs::run(cidr_ctx), repair);
+            let history = async move {
+                if let Some(h) = history {
+                    h.await
+                }
+            };
+            tokio::join!(svc, servicecidrs::run(cidr_ctx), repair, history);
         })
     }
 }

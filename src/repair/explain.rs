@@ -70,6 +70,20 @@ pub struct BlockFact {
     pub renewed: Option<String>,
 }
 
+/// Who held the address over one stretch of time, per the address history
+/// ([`crate::history`]); times in RFC 3339.
+#[derive(Clone, Debug, Serialize)]
+pub struct HoldingFact {
+    pub parent: String,
+    pub manager: String,
+    /// None: before the history begins.
+    pub from: Option<String>,
+    /// None: holds it still.
+    pub to: Option<String>,
+    /// `to` is when a list found the record gone (no replica was recording when it went).
+    pub to_approximate: bool,
+}
+
 /// One finding of the repair rules about the address.
 #[derive(Clone, Debug, Serialize)]
 pub struct FindingFact {
@@ -97,11 +111,14 @@ pub struct Explanation {
     /// Whether every record agrees (no finding).
     pub agree: bool,
     pub findings: Vec<FindingFact>,
+    /// Who held it, oldest first, as far as the address history reaches (None: no history
+    /// could be read).
+    pub history: Option<Vec<HoldingFact>>,
 }
 
-/// Gather what the cluster and the backend of `target` hold for `ip`; block Leases are read
-/// from `block_namespace` (the controller's namespace) when given.
-pub async fn explain(client: &kube::Client, target: &Target, ip: IpAddr, block_namespace: Option<&str>) -> Result<Explanation, RepairError> {
+/// Gather what the cluster and the backend of `target` hold for `ip`; block Leases and the
+/// address history are read from `namespace` (the controller's) when given.
+pub async fn explain(client: &kube::Client, target: &Target, ip: IpAddr, namespace: Option<&str>) -> Result<Explanation, RepairError> {
     let now = k8s_openapi::jiff::Timestamp::now();
     let ipaddresses: Api<IPAddress> = Api::all(client.clone());
     let object = ipaddresses.get_opt(&ip.to_string()).await.map_err(|source| RepairError::List { what: "IPAddresses", source })?.map(|o| record_view(o, now));
@@ -130,11 +147,26 @@ pub async fn explain(client: &kube::Client, target: &Target, ip: IpAddr, block_n
         Err(e) => return Err(e),
     };
     let services = holders(client, ip, object.as_ref()).await?;
-    let block = match (backend, block_namespace) {
+    let block = match (backend, namespace) {
         ("ipaddress", Some(ns)) => block_of(client, ns, ip).await?,
         _ => None,
     };
-    Ok(judge(ip, backend, &ranges, cluster_ranges, services, object, map, block, mode))
+    let history = match namespace {
+        Some(ns) => match crate::history::read(client, ns).await {
+            Ok(log) => Some(crate::history::holdings(&log, ip)),
+            Err(kube::Error::Api(s)) if s.code == 403 || s.code == 404 => None,
+            Err(source) => return Err(RepairError::List { what: "address history ConfigMaps", source }),
+        },
+        None => None,
+    };
+    let mut found = judge(ip, backend, &ranges, cluster_ranges, services, object, map, block, mode);
+    found.history = history.map(|h| h.into_iter().map(holding_fact).collect());
+    Ok(found)
+}
+
+fn holding_fact(h: crate::history::Holding) -> HoldingFact {
+    let time = |t: Option<i64>| t.and_then(|s| k8s_openapi::jiff::Timestamp::from_second(s).ok()).map(|t| t.to_string());
+    HoldingFact { parent: h.parent, manager: h.manager, from: time(h.from), to: time(h.to), to_approximate: h.to_approximate }
 }
 
 /// The Services holding `ip`: those whose `spec.clusterIP` it is, and the one its IPAddress
@@ -229,6 +261,7 @@ pub fn judge(
         owner,
         agree: findings.is_empty(),
         findings,
+        history: None,
     }
 }
 
@@ -278,6 +311,20 @@ impl std::fmt::Display for Explanation {
                 Some(b) => writeln!(f, "  block      {} held by {}{}", b.lease, b.holder.as_deref().unwrap_or("<nobody>"), b.renewed.as_ref().map(|t| format!(", renewed {t}")).unwrap_or_default())?,
                 None => writeln!(f, "  block      none names it")?,
             }
+        }
+        match &self.history {
+            Some(h) if h.is_empty() => writeln!(f, "  history    none recorded")?,
+            Some(h) => {
+                for (i, x) in h.iter().enumerate() {
+                    let to = match (&x.to, x.to_approximate) {
+                        (Some(t), false) => t.clone(),
+                        (Some(t), true) => format!("before {t}"),
+                        (None, _) => "now".into(),
+                    };
+                    writeln!(f, "  {}{} {} → {to}", if i == 0 { "history    " } else { "           " }, x.parent, x.from.as_deref().unwrap_or("(before the history)"))?;
+                }
+            }
+            None => {}
         }
         let recorded = self.ipaddress.is_some() || self.map.as_ref().is_some_and(|m| m.allocated);
         let owner = match (&self.owner, recorded) {

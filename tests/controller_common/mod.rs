@@ -103,6 +103,9 @@ impl Controller {
             .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0", "--health-probe-bind-address", "127.0.0.1:0"])
             .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::controller::leader=info,clusterip_serve=info,clusterip::store::etcd=info,clusterip::store::ipaddress::blocks=debug,clusterip::webhook::admission=debug,clusterip::repair=info")
             .env("NO_COLOR", "1")
+            // Tests' controllers share the namespace `default` and keep no address history
+            // unless a test asks (`--address-history-chunks`, which overrides this).
+            .env("CLUSTERIP_ADDRESS_HISTORY_CHUNKS", "0")
             .stdout(Stdio::null())
             .stderr(file);
         let child = die_with_parent(&mut cmd).spawn().expect("start clusterip controller");

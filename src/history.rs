@@ -1,0 +1,387 @@
+//! The address history: every allocation and release of a Service address, as the
+//! cluster's IPAddress objects show them (created: allocated to its parentRef; deleted:
+//! released), kept durably and bounded so that `clusterip explain IP` can say who held an
+//! address, from when to when.
+//!
+//! The leading controller replica records it ([`record`]): it watches IPAddress objects and
+//! appends one line per change to the newest of a series of ConfigMaps in its namespace
+//! (`clusterip-address-history-<seq>`, label [`LABEL`]), one write every [`FLUSH`] —
+//! never one per admission. A chunk holds at most [`CHUNK_BYTES`]; past that a new one is
+//! started and the oldest beyond the retention (`--address-history-chunks`) deleted, so the
+//! whole log stays under `chunks × 64 KiB`. A new leader reads the log back, and its first
+//! list of IPAddresses fills what happened while no replica recorded: records created
+//! meanwhile carry their creationTimestamp, records gone meanwhile are logged as released
+//! when the list shows them gone, marked `~` (the moment is approximate).
+//!
+//! One line per change: `<unix seconds> <+|-|~> <address> <parentRef> <managed-by>`,
+//! e.g. `1795000000 + 10.96.0.10 services/kube-system/kube-dns ipallocator.k8s.io`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::networking::v1::IPAddress;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde::Serialize;
+use tracing::{debug, warn};
+
+use crate::k8s;
+use crate::store::fold::{fold, Change};
+use crate::store::ParentRef;
+use crate::sync::lock;
+
+/// Label of the history's ConfigMaps.
+pub const LABEL: &str = "clusterip.allocator/address-history";
+/// Name prefix of the history's ConfigMaps; the sequence number follows.
+pub const PREFIX: &str = "clusterip-address-history-";
+/// The data key of a chunk.
+const KEY: &str = "log";
+/// A chunk is closed once it holds this many bytes.
+pub const CHUNK_BYTES: usize = 64 * 1024;
+/// How often the recorder writes what it saw.
+pub const FLUSH: Duration = Duration::from_secs(5);
+/// Default retention: chunks kept (64 × 64 KiB = 4 MiB, some 50,000 changes).
+pub const DEFAULT_CHUNKS: usize = 64;
+
+/// What a line says happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transition {
+    /// The address was recorded for its parent.
+    Allocated,
+    /// The record was deleted.
+    Released,
+    /// The record was found gone by a list: released at some moment before `at`.
+    ReleasedBefore,
+}
+
+/// One line of the log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Entry {
+    /// Unix seconds.
+    pub at: i64,
+    pub change: Transition,
+    pub address: IpAddr,
+    /// The parentRef (`services/<ns>/<name>`, `gateways.gateway.networking.k8s.io/<ns>/<name>`).
+    pub parent: String,
+    /// The record's `ipaddress.kubernetes.io/managed-by` label ("-" when none).
+    pub manager: String,
+}
+
+impl Entry {
+    pub fn line(&self) -> String {
+        let sign = match self.change {
+            Transition::Allocated => '+',
+            Transition::Released => '-',
+            Transition::ReleasedBefore => '~',
+        };
+        format!("{} {sign} {} {} {}", self.at, self.address, self.parent, self.manager)
+    }
+
+    /// A line of the log; None for one that does not read (skipped, never fatal).
+    pub fn parse(line: &str) -> Option<Entry> {
+        let mut f = line.split_whitespace();
+        let at = f.next()?.parse().ok()?;
+        let change = match f.next()? {
+            "+" => Transition::Allocated,
+            "-" => Transition::Released,
+            "~" => Transition::ReleasedBefore,
+            _ => return None,
+        };
+        let address = crate::cidr::parse_ip(f.next()?).ok()?;
+        let (parent, manager) = (f.next()?.to_string(), f.next()?.to_string());
+        Some(Entry { at, change, address, parent, manager })
+    }
+}
+
+/// Who held an address over one stretch of time.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Holding {
+    pub parent: String,
+    pub manager: String,
+    /// Unix seconds; None when the log begins after it did.
+    pub from: Option<i64>,
+    /// Unix seconds; None while it still holds it.
+    pub to: Option<i64>,
+    /// `to` is when a list found the record gone, not when it went.
+    pub to_approximate: bool,
+}
+
+/// The holdings of `ip` in the log, oldest first.
+pub fn holdings(log: &[Entry], ip: IpAddr) -> Vec<Holding> {
+    let mut out: Vec<Holding> = Vec::new();
+    for e in log.iter().filter(|e| e.address == ip) {
+        match e.change {
+            Transition::Allocated => {
+                // (A line written twice, by a flush tried again, is one holding.)
+                if !out.last().is_some_and(|h| h.to.is_none() && h.parent == e.parent) {
+                    out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: Some(e.at), to: None, to_approximate: false });
+                }
+            }
+            Transition::Released | Transition::ReleasedBefore => {
+                let approx = e.change == Transition::ReleasedBefore;
+                match out.last_mut().filter(|h| h.to.is_none() && h.parent == e.parent) {
+                    Some(h) => {
+                        h.to = Some(e.at);
+                        h.to_approximate = approx;
+                    }
+                    None => out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: None, to: Some(e.at), to_approximate: approx }),
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What one IPAddress object says, for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub address: IpAddr,
+    pub parent: String,
+    pub manager: String,
+    /// creationTimestamp, Unix seconds.
+    pub created: Option<i64>,
+}
+
+fn record_of(o: &IPAddress) -> Option<Record> {
+    let address = k8s::ipaddress::address(o.metadata.name.as_deref()?)?;
+    let manager = k8s::ipaddress::label(&o.metadata, k8s::ipaddress::LABEL_MANAGED_BY).unwrap_or("-").to_string();
+    let mut parent = ParentRef::from(&o.spec.parent_ref);
+    parent.namespace = parent.namespace.filter(|n| !n.is_empty());
+    Some(Record { address, parent: parent.to_string(), manager, created: o.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()) })
+}
+
+/// The log's view of who holds what now, and the entries a change makes.
+#[derive(Debug, Default)]
+pub struct Holders {
+    now: HashMap<IpAddr, (String, String)>,
+}
+
+impl Holders {
+    /// The holders the log ends with.
+    pub fn replay(log: &[Entry]) -> Holders {
+        let mut h = Holders::default();
+        for e in log {
+            match e.change {
+                Transition::Allocated => {
+                    h.now.insert(e.address, (e.parent.clone(), e.manager.clone()));
+                }
+                Transition::Released | Transition::ReleasedBefore => {
+                    h.now.remove(&e.address);
+                }
+            }
+        }
+        h
+    }
+
+    /// A record created or changed (seen at `now`): logged when it is new or names another
+    /// parent than the log's holder (then the old holding ends first).
+    pub fn apply(&mut self, r: &Record, now: i64) -> Vec<Entry> {
+        let mut out = Vec::new();
+        match self.now.get(&r.address) {
+            Some((p, _)) if *p == r.parent => return out,
+            Some((p, m)) => out.push(Entry { at: now, change: Transition::Released, address: r.address, parent: p.clone(), manager: m.clone() }),
+            None => {}
+        }
+        out.push(Entry { at: r.created.unwrap_or(now), change: Transition::Allocated, address: r.address, parent: r.parent.clone(), manager: r.manager.clone() });
+        self.now.insert(r.address, (r.parent.clone(), r.manager.clone()));
+        out
+    }
+
+    /// A record deleted (seen at `now`).
+    pub fn delete(&mut self, address: IpAddr, now: i64) -> Option<Entry> {
+        let (parent, manager) = self.now.remove(&address)?;
+        Some(Entry { at: now, change: Transition::Released, address, parent, manager })
+    }
+
+    /// A full list (at `now`): what it lacks was released before it; what is new or changed
+    /// is logged as [`Self::apply`] does.
+    pub fn relisted(&mut self, list: &[Record], now: i64) -> Vec<Entry> {
+        let listed: HashMap<IpAddr, &Record> = list.iter().map(|r| (r.address, r)).collect();
+        let mut gone: Vec<IpAddr> = self.now.keys().filter(|ip| !listed.contains_key(ip)).copied().collect();
+        gone.sort();
+        let mut out: Vec<Entry> = gone
+            .into_iter()
+            .filter_map(|ip| self.now.remove(&ip).map(|(parent, manager)| Entry { at: now, change: Transition::ReleasedBefore, address: ip, parent, manager }))
+            .collect();
+        let mut list: Vec<&Record> = list.iter().collect();
+        list.sort_by_key(|r| (r.created, r.address));
+        for r in list {
+            out.extend(self.apply(r, now));
+        }
+        out
+    }
+}
+
+/// The log's chunks, oldest first: (sequence number, ConfigMap).
+async fn chunks(api: &Api<ConfigMap>) -> Result<Vec<(u64, ConfigMap)>, kube::Error> {
+    let list = api.list(&ListParams::default().labels(LABEL)).await?;
+    let mut out: Vec<(u64, ConfigMap)> = list.items.into_iter().filter_map(|c| Some((c.metadata.name.as_deref()?.strip_prefix(PREFIX)?.parse().ok()?, c))).collect();
+    out.sort_by_key(|(seq, _)| *seq);
+    Ok(out)
+}
+
+fn text_of(c: &ConfigMap) -> &str {
+    c.data.as_ref().and_then(|d| d.get(KEY)).map(String::as_str).unwrap_or_default()
+}
+
+/// The whole log, oldest first, as stored in `namespace`.
+pub async fn read(client: &kube::Client, namespace: &str) -> Result<Vec<Entry>, kube::Error> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    Ok(chunks(&api).await?.iter().flat_map(|(_, c)| text_of(c).lines().filter_map(Entry::parse).collect::<Vec<_>>()).collect())
+}
+
+fn chunk(seq: u64, text: String) -> ConfigMap {
+    let mut c = ConfigMap::default();
+    c.metadata.name = Some(format!("{PREFIX}{seq:08}"));
+    c.metadata.labels = Some(BTreeMap::from([(LABEL.to_string(), "true".to_string())]));
+    c.data = Some(BTreeMap::from([(KEY.to_string(), text)]));
+    c
+}
+
+/// Record the history until the task is aborted (the replica stops leading): read the log
+/// back, watch IPAddress objects, write every [`FLUSH`]. Keeps `keep` chunks.
+pub async fn record(client: kube::Client, namespace: String, keep: usize) {
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    let log = loop {
+        match read(&client, &namespace).await {
+            Ok(log) => break log,
+            Err(e) => {
+                warn!(error = %e, "could not read the address history back; trying again");
+                tokio::time::sleep(FLUSH).await;
+            }
+        }
+    };
+    let holders = Arc::new(Mutex::new(Holders::replay(&log)));
+    drop(log);
+    let pending: Arc<Mutex<Vec<Entry>>> = Arc::default();
+    let now = || k8s_openapi::jiff::Timestamp::now().as_second();
+    let watch = {
+        let (holders, pending) = (holders.clone(), pending.clone());
+        fold(Api::<IPAddress>::all(client), "IPAddress (history)", record_of, move |change| {
+            let mut h = lock(&holders);
+            let new = match change {
+                Change::Replace(list) => h.relisted(&list.into_iter().flatten().collect::<Vec<_>>(), now()),
+                Change::Apply(Some(r)) => h.apply(&r, now()),
+                Change::Delete(Some(r)) => h.delete(r.address, now()).into_iter().collect(),
+                Change::Apply(None) | Change::Delete(None) => Vec::new(),
+            };
+            lock(&pending).extend(new);
+        })
+    };
+    let write = async move {
+        let mut every = tokio::time::interval(FLUSH);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let batch: Vec<Entry> = std::mem::take(&mut *lock(&pending));
+            if batch.is_empty() {
+                continue;
+            }
+            if let Err(e) = append(&cms, &batch, keep).await {
+                warn!(error = %e, lines = batch.len(), "could not write the address history; trying again at the next flush");
+                let mut p = lock(&pending);
+                let later = std::mem::take(&mut *p);
+                *p = batch;
+                p.extend(later);
+            }
+        }
+    };
+    tokio::join!(watch, write);
+}
+
+/// Append `batch` to the newest chunk, starting new ones as each fills up, then delete the
+/// oldest beyond `keep`. An existing chunk is replaced with its resourceVersion as
+/// precondition: a write of another replica meanwhile fails this one, and the batch is
+/// tried again at the next flush (a line written twice reads as one: [`holdings`]).
+async fn append(api: &Api<ConfigMap>, batch: &[Entry], keep: usize) -> Result<(), kube::Error> {
+    let all = chunks(api).await?;
+    let (mut seq, mut text, mut existing) = match all.last() {
+        Some((seq, c)) => (*seq, text_of(c).to_string(), Some(c.clone())),
+        None => (0, String::new(), None),
+    };
+    let mut started = 0;
+    for e in batch {
+        let line = e.line() + "\n";
+        if !text.is_empty() && text.len() + line.len() > CHUNK_BYTES {
+            write(api, seq, std::mem::take(&mut text), existing.take()).await?;
+            seq += 1;
+            started += 1;
+        }
+        text.push_str(&line);
+    }
+    if all.is_empty() {
+        started += 1;
+    }
+    write(api, seq, text, existing).await?;
+    let total = all.len() + started;
+    for (old, _) in all.iter().take(total.saturating_sub(keep.max(1))) {
+        api.delete(&format!("{PREFIX}{old:08}"), &DeleteParams::default()).await?;
+    }
+    Ok(())
+}
+
+/// Write chunk `seq`: replace `existing` (its resourceVersion the precondition), else create.
+async fn write(api: &Api<ConfigMap>, seq: u64, text: String, existing: Option<ConfigMap>) -> Result<(), kube::Error> {
+    match existing {
+        Some(mut c) => {
+            c.data = Some(BTreeMap::from([(KEY.to_string(), text)]));
+            api.replace(&format!("{PREFIX}{seq:08}"), &PostParams::default(), &c).await?;
+        }
+        None => {
+            api.create(&PostParams::default(), &chunk(seq, text)).await?;
+            debug!(seq, "address history: a new chunk");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(ip: &str, parent: &str, created: i64) -> Record {
+        Record { address: ip.parse().expect("ip"), parent: parent.into(), manager: "ipallocator.k8s.io".into(), created: Some(created) }
+    }
+
+    #[test]
+    fn lines_read_back_as_written_and_bad_lines_are_skipped() {
+        let e = Entry { at: 1795000000, change: Transition::Allocated, address: "10.96.0.10".parse().expect("ip"), parent: "services/kube-system/kube-dns".into(), manager: "ipallocator.k8s.io".into() };
+        assert_eq!(e.line(), "1795000000 + 10.96.0.10 services/kube-system/kube-dns ipallocator.k8s.io");
+        assert_eq!(Entry::parse(&e.line()), Some(e));
+        for bad in ["", "x + 10.96.0.10 a b", "1 ? 10.96.0.10 a b", "1 + nope a b", "1 + 10.96.0.10 a"] {
+            assert_eq!(Entry::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    /// Created, deleted, created for another Service; a change of parent ends the old
+    /// holding; a list that lacks a record ends it as "released before"; a list of what the
+    /// log already holds adds nothing.
+    #[test]
+    fn changes_become_holdings() {
+        let mut h = Holders::default();
+        let mut log = Vec::new();
+        log.extend(h.apply(&rec("10.96.0.5", "services/a/web", 100), 101));
+        log.extend(h.apply(&rec("10.96.0.5", "services/a/web", 100), 150));
+        log.extend(h.delete("10.96.0.5".parse().expect("ip"), 200));
+        log.extend(h.apply(&rec("10.96.0.5", "services/b/api", 300), 301));
+        log.extend(h.apply(&rec("10.96.0.5", "services/b/db", 300), 400));
+        log.extend(h.relisted(&[rec("10.96.0.6", "services/b/x", 450)], 500));
+        log.extend(h.relisted(&[rec("10.96.0.6", "services/b/x", 450)], 600));
+        let ip: IpAddr = "10.96.0.5".parse().expect("ip");
+        let got: Vec<(String, Option<i64>, Option<i64>, bool)> = holdings(&log, ip).into_iter().map(|h| (h.parent, h.from, h.to, h.to_approximate)).collect();
+        assert_eq!(
+            got,
+            vec![
+                ("services/a/web".into(), Some(100), Some(200), false),
+                ("services/b/api".into(), Some(300), Some(400), false),
+                ("services/b/db".into(), Some(300), Some(500), true),
+            ]
+        );
+        assert_eq!(holdings(&log, "10.96.0.6".parse().expect("ip")).len(), 1);
+        // Replayed, the log ends where the recorder did.
+        assert_eq!(Holders::replay(&log).now, h.now);
+    }
+}

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod alloc;
+pub mod capacity;
 pub mod cidr;
 pub mod cli;
 pub mod clock;

@@ -644,7 +644,7 @@ async fn explain_tells_who_holds_an_address_and_whether_the_ipaddress_records_ag
 /// The address history through a controller (ipaddress backend, leading in the test's own
 /// namespace, where it keeps the history): a Service holds an address, is deleted, another
 /// takes the address; `clusterip explain --namespace` tells both holdings, the first ended,
-/// the second current.
+/// the second current; `clusterip capacity` counts the address used and finds the history.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
     let cp = control_plane();
@@ -690,4 +690,14 @@ async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
     assert!(history[0]["from"].is_string() && history[0]["to"].is_string(), "web's holding has both ends: {found:#}");
     assert!(history[1]["from"].is_string() && history[1]["to"].is_null(), "api holds it still: {found:#}");
     assert_eq!(found["owner"], api.as_str());
+
+    // `clusterip capacity` over the same range: api's address used, the history found but
+    // too young for any rate window, so no forecast.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).arg("capacity").args(explain_args).args(["-o", "json"]).output().await.expect("run clusterip capacity");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cap: Value = serde_json::from_slice(&out.stdout).expect("capacity JSON");
+    let r = &cap["ranges"][0];
+    assert_eq!((r["cidr"].as_str(), r["size"].as_u64(), r["used"].as_u64(), r["free"].as_u64()), (Some("198.19.0.96/28"), Some(14), Some(1), Some(13)), "{cap:#}");
+    assert_eq!((r["dynamic_band"]["used"].as_u64(), r["static_band"]["size"].as_u64()), (Some(1), Some(0)), "a /28 has no static band: {cap:#}");
+    assert!(cap["history_from"].is_string() && r["rates"].as_array().is_some_and(|a| a.is_empty()) && r["days_to_full"].is_null(), "{cap:#}");
 }

@@ -2,6 +2,7 @@
 
 mod allocate;
 pub mod backend;
+mod capacity;
 pub mod completion;
 mod controller;
 mod explain;
@@ -53,6 +54,10 @@ pub enum Command {
     /// IPAddress object, the backend's record (etcd map and owner record, or address block),
     /// and whether they all agree. Exit code: 0 = they agree, 1 = they disagree, 2 = error.
     Explain(explain::ExplainArgs),
+    /// Capacity per range and band (static, dynamic): used and free addresses, allocations
+    /// and releases over the last 1h, 24h and 7d (from the address history), and the days
+    /// until each range is full at that pace.
+    Capacity(capacity::CapacityArgs),
     /// Print the CustomResourceDefinitions the project ships (IPAddress and ServiceCIDR in
     /// networking.k8s.io/v1, for clusters older than 1.33 that do not serve them) as YAML.
     Crds,
@@ -89,6 +94,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::ImportRangeallocation(args) => import::run(args).await,
         Command::Repair(args) => repair::run(args).await,
         Command::Explain(args) => explain::run(args).await,
+        Command::Capacity(args) => capacity::run(args).await,
         Command::Crds => {
             print!("{}", crate::crds::yaml()?);
             Ok(0)

@@ -35,13 +35,15 @@ impl MeteredStore {
         self
     }
 
-    /// Refresh the allocated/available gauges from the store.
+    /// Refresh the allocated/available gauges (per range and per band) from the store.
     pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
         self.metrics.set_unreadable(&self.unreadable());
         self.metrics.set_block_events(&self.inner.block_events());
         for u in self.inner.usage().await? {
             self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free, u.pooled);
         }
+        let allocated = self.inner.allocated().await?;
+        self.metrics.set_bands(&crate::capacity::report(&self.inner.ranges(), &allocated, &[], 0));
         Ok(())
     }
 

@@ -8,6 +8,8 @@
 //! | `clusterip_allocator_allocated_ips` | gauge | cidr |
 //! | `clusterip_allocator_available_ips` | gauge | cidr |
 //! | `clusterip_allocator_pooled_ips` | gauge | cidr (etcd backend: free addresses held in replicas' address pools) |
+//! | `clusterip_allocator_band_allocated_ips` | gauge | cidr, band (static, dynamic) |
+//! | `clusterip_allocator_band_available_ips` | gauge | cidr, band (static, dynamic) |
 //! | `clusterip_allocator_unreadable_records` | gauge | kind (allocation_map, owner, ipaddress): stored records the allocator cannot read and refuses to act on |
 //! | `clusterip_allocator_allocation_total` | counter | cidr, scope (static, dynamic) |
 //! | `clusterip_allocator_allocation_errors_total` | counter | cidr, scope |
@@ -98,6 +100,12 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub const COMMIT: &str = env!("CLUSTERIP_BUILD_COMMIT");
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BandLabels {
+    pub cidr: String,
+    pub band: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
     pub controller: &'static str,
 }
@@ -111,6 +119,8 @@ pub struct Metrics {
     pub allocated_ips: Family<CidrLabels, Gauge>,
     pub available_ips: Family<CidrLabels, Gauge>,
     pub pooled_ips: Family<CidrLabels, Gauge>,
+    pub band_allocated_ips: Family<BandLabels, Gauge>,
+    pub band_available_ips: Family<BandLabels, Gauge>,
     pub unreadable_records: Family<KindLabels, Gauge>,
     pub allocation_total: Family<ScopeLabels, Counter>,
     pub allocation_errors_total: Family<ScopeLabels, Counter>,
@@ -160,6 +170,8 @@ impl Metrics {
             allocated_ips: Family::default(),
             available_ips: Family::default(),
             pooled_ips: Family::default(),
+            band_allocated_ips: Family::default(),
+            band_available_ips: Family::default(),
             unreadable_records: Family::default(),
             allocation_total: Family::default(),
             allocation_errors_total: Family::default(),
@@ -184,6 +196,12 @@ impl Metrics {
             "Gauge measuring the free IPs held ahead of need in the controller replicas' address pools (counted in available_ips)",
             m.pooled_ips.clone(),
         );
+        alloc.register(
+            "band_allocated_ips",
+            "Gauge measuring the allocated IPs for Services per band of the range: static (kept for requested addresses) and dynamic",
+            m.band_allocated_ips.clone(),
+        );
+        alloc.register("band_available_ips", "Gauge measuring the available IPs for Services per band of the range: static and dynamic", m.band_available_ips.clone());
         alloc.register(
             "unreadable_records",
             "Gauge measuring the stored allocation records the allocator cannot read (and so refuses to act on), by kind",
@@ -339,6 +357,17 @@ impl Metrics {
         self.pooled_ips.get_or_create(&l).set(i64::try_from(pooled).unwrap_or(i64::MAX));
         self.allocated_ips.get_or_create(&l).set(i64::try_from(used).unwrap_or(i64::MAX));
         self.available_ips.get_or_create(&l).set(i64::try_from(free).unwrap_or(i64::MAX));
+    }
+
+    /// Per band of each range: allocated and available addresses.
+    pub fn set_bands(&self, capacity: &crate::capacity::Capacity) {
+        for r in &capacity.ranges {
+            for (band, b) in [("static", &r.static_band), ("dynamic", &r.dynamic_band)] {
+                let l = BandLabels { cidr: r.cidr.clone(), band };
+                self.band_allocated_ips.get_or_create(&l).set(i64::try_from(b.used).unwrap_or(i64::MAX));
+                self.band_available_ips.get_or_create(&l).set(i64::try_from(b.free).unwrap_or(i64::MAX));
+            }
+        }
     }
 
     /// The records the store cannot read now, counted by kind (every kind always reported,

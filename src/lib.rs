@@ -34,3 +34,4 @@ pub mod store;
 pub mod sync;
 pub mod telemetry;
 pub mod webhook;
+pub mod whatif;

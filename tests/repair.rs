@@ -701,3 +701,69 @@ async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
     assert_eq!((r["dynamic_band"]["used"].as_u64(), r["static_band"]["size"].as_u64()), (Some(1), Some(0)), "a /28 has no static band: {cap:#}");
     assert!(cap["history_from"].is_string() && r["rates"].as_array().is_some_and(|a| a.is_empty()) && r["days_to_full"].is_null(), "{cap:#}");
 }
+
+/// `clusterip what-if` through the real apiserver: a ServiceCIDR of the test's own
+/// (198.18.170.0/24) holding one Service; deleting it would strand that Service (exit 1),
+/// narrowing it to its upper half too; a wider range over it overlaps it (allowed, exit 0);
+/// a range over a Node's pod CIDR is unsafe (exit 1). Changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn what_if_tells_what_a_servicecidr_change_would_strand_or_overlap() {
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = Ns::new(&cp).await;
+    let name = unique_name("whatif");
+    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
+    let sc: ServiceCIDR = serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": ["198.18.170.0/24"]}})).expect("ServiceCIDR");
+    cidrs.create(&PostParams::default(), &sc).await.expect("create the ServiceCIDR");
+    let node_name = unique_name("whatif-node");
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": node_name}, "spec": {"podCIDR": "198.18.172.0/24", "podCIDRs": ["198.18.172.0/24"]}})).expect("Node");
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes.create(&PostParams::default(), &node).await.expect("create a Node");
+    // Removed however the test ends (other tests wait for the cluster's ServiceCIDRs to be
+    // the default one only).
+    struct Cleanup(kube::Client, String, String);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let (client, cidr, node) = (self.0.clone(), self.1.clone(), self.2.clone());
+            block_on_drop(async move {
+                let _ = Api::<ServiceCIDR>::all(client.clone()).delete(&cidr, &DeleteParams::default()).await;
+                let _ = Api::<Node>::all(client).delete(&node, &DeleteParams::default()).await;
+            });
+        }
+    }
+    let _cleanup = Cleanup(client.clone(), name.clone(), node_name.clone());
+    // The apiserver allocates from the ServiceCIDR once it is Ready (kube-controller-manager).
+    let (svcs, spec) = (ns.services(), json!({"metadata": {"name": "in-extra"}, "spec": {"clusterIP": "198.18.170.5", "ports": [{"port": 80}]}}));
+    let (svcs_ref, spec_ref) = (&svcs, &spec);
+    clusterip_test_support::eventually_ok("a Service in the new ServiceCIDR", Duration::from_secs(60), Duration::from_millis(500), move || async move {
+        svcs_ref.create(&PostParams::default(), &serde_json::from_value(spec_ref.clone()).expect("svc")).await.map(|_| ()).map_err(|e| e.to_string())
+    })
+    .await;
+
+    let what_if = |args: Vec<String>| {
+        let kubeconfig = cp.kubeconfig().display().to_string();
+        async move {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).arg("what-if").args(&args).args(["-o", "json", "--kubeconfig", &kubeconfig]).output().await.expect("run what-if");
+            let json: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("what-if {args:?}: no JSON ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+            (out.status.code().unwrap_or(-1), json)
+        }
+    };
+    let (code, del) = what_if(strs(&["delete-cidr", &name])).await;
+    assert_eq!(code, 1, "{del:#}");
+    assert_eq!(del["stranded"], json!([{"namespace": ns.name, "name": "in-extra", "address": "198.18.170.5"}]), "{del:#}");
+    let (code, shrink) = what_if(strs(&["shrink", &name, "198.18.170.128/25"])).await;
+    assert_eq!((code, shrink["stranded"][0]["name"].as_str()), (1, Some("in-extra")), "{shrink:#}");
+    let (code, wider) = what_if(strs(&["add-cidr", "198.18.170.0/23"])).await;
+    assert_eq!(code, 0, "{wider:#}");
+    assert!(wider["overlaps"].as_array().is_some_and(|o| o.iter().any(|o| o["with"] == "servicecidr" && o["name"] == name.as_str())), "{wider:#}");
+    assert_eq!((wider["new_ranges"][0]["static_band"].as_u64(), wider["new_ranges"][0]["used"].as_u64()), (Some(32), Some(1)), "{wider:#}");
+    let (code, pods) = what_if(strs(&["add-cidr", "198.18.172.0/24"])).await;
+    assert_eq!(code, 1, "{pods:#}");
+    assert!(pods["overlaps"].as_array().is_some_and(|o| o.iter().any(|o| o["with"] == "pod-cidr" && o["name"] == node_name.as_str())), "{pods:#}");
+
+    // Nothing changed.
+    assert!(cidrs.get_opt(&name).await.expect("get").is_some());
+    let _ = svcs.delete("in-extra", &DeleteParams::default()).await;
+}

@@ -10,6 +10,7 @@ mod import;
 mod monitoring;
 mod reconcilers;
 mod repair;
+mod whatif;
 
 use clap::{Parser, Subcommand};
 
@@ -58,6 +59,10 @@ pub enum Command {
     /// and releases over the last 1h, 24h and 7d (from the address history), and the days
     /// until each range is full at that pace.
     Capacity(capacity::CapacityArgs),
+    /// What a ServiceCIDR change would do, changing nothing: Services a deletion or a shrink
+    /// would leave uncovered, a new range's bands and its overlaps with ServiceCIDRs, pod
+    /// CIDRs and node addresses. Exit code: 0 = safe, 1 = blocked or unsafe, 2 = error.
+    WhatIf(whatif::WhatIfArgs),
     /// Print the CustomResourceDefinitions the project ships (IPAddress and ServiceCIDR in
     /// networking.k8s.io/v1, for clusters older than 1.33 that do not serve them) as YAML.
     Crds,
@@ -95,6 +100,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Repair(args) => repair::run(args).await,
         Command::Explain(args) => explain::run(args).await,
         Command::Capacity(args) => capacity::run(args).await,
+        Command::WhatIf(args) => whatif::run(args).await,
         Command::Crds => {
             print!("{}", crate::crds::yaml()?);
             Ok(0)

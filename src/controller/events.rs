@@ -1,4 +1,4 @@
-//! Events on Services, with Kubernetes' reasons and wording.
+//! Events on Services (and ServiceCIDRs), with Kubernetes' reasons and wording.
 
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -27,7 +27,11 @@ impl ServiceEvents {
     /// publication gets [`PUBLISH_TIMEOUT`]). Failures are logged, never fatal. Returns once
     /// the publication is handed to its task.
     pub async fn warn(&self, svc: &Service, reason: &str, action: &str, note: String) {
-        let reference: ObjectReference = svc.object_ref(&());
+        self.warn_on(svc.object_ref(&()), reason, action, note).await
+    }
+
+    /// [`Self::warn`] on any object (a ServiceCIDR).
+    pub async fn warn_on(&self, reference: ObjectReference, reason: &str, action: &str, note: String) {
         let ev = Event { type_: EventType::Warning, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
         let (recorder, reason) = (self.recorder.clone(), reason.to_string());
         tokio::spawn(async move {

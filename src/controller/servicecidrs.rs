@@ -5,10 +5,14 @@
 //! - a ServiceCIDR being deleted keeps the finalizer, with `Ready=False`, reason
 //!   `Terminating` and a message that says why, while an address that only it covers is in
 //!   use (an IPAddress object, or a record of ours); otherwise the finalizer is removed once
-//!   10 s have passed since the deletion began (Kubernetes' grace period).
+//!   10 s have passed since the deletion began (Kubernetes' grace period). The condition
+//!   keeps Kubernetes' words (kube-controller-manager may write it too, and two messages
+//!   would be a write war); which addresses and Services keep the deletion waiting is told
+//!   in a Warning Event on the ServiceCIDR, `ServiceCIDRInUse`, whenever that set changes.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -44,7 +48,13 @@ pub struct Context {
     pub client: kube::Client,
     pub store: Arc<dyn AllocationStore>,
     pub metrics: Arc<Metrics>,
+    pub events: crate::controller::events::ServiceEvents,
+    /// Per terminating ServiceCIDR, the note of the last `ServiceCIDRInUse` Event posted.
+    pub told: Mutex<HashMap<String, String>>,
 }
+
+/// How many of the addresses that keep a deletion waiting an Event names.
+const NAMED: usize = 10;
 
 async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
     if let Some(c) = servicecidr::ready_condition(sc) {
@@ -77,8 +87,9 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
     }
 }
 
-/// Addresses in use that only `sc` covers: IPAddress objects and our own records.
-async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR]) -> Result<Vec<IpAddr>, Error> {
+/// Addresses in use that only `sc` covers, each with the parentRef of its IPAddress object
+/// (None: recorded only by us).
+async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR]) -> Result<Vec<(IpAddr, Option<String>)>, Error> {
     let mine = servicecidr::ranges(sc);
     let others: Vec<ServiceCidr> = all
         .iter()
@@ -86,18 +97,32 @@ async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR
         .flat_map(servicecidr::ranges)
         .collect();
     let only_here = |ip: &IpAddr| mine.iter().any(|c| c.contains(*ip)) && !others.iter().any(|c| c.contains(*ip));
-    let mut used: Vec<IpAddr> = Api::<IPAddress>::all(ctx.client.clone())
+    let mut used: Vec<(IpAddr, Option<String>)> = Api::<IPAddress>::all(ctx.client.clone())
         .list(&ListParams::default())
         .await?
         .items
         .iter()
-        .filter_map(|a| k8s::ipaddress::address(a.metadata.name.as_deref()?))
-        .filter(only_here)
+        .filter_map(|a| Some((k8s::ipaddress::address(a.metadata.name.as_deref()?)?, Some(crate::store::ParentRef::from(&a.spec.parent_ref).to_string()))))
+        .filter(|(ip, _)| only_here(ip))
         .collect();
-    used.extend(ctx.store.allocated().await?.into_iter().filter(only_here));
-    used.sort();
-    used.dedup();
+    used.extend(ctx.store.allocated().await?.into_iter().filter(only_here).map(|ip| (ip, None)));
+    // (One per address: the IPAddress's parent before our bare record.)
+    used.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.is_some().cmp(&a.1.is_some())));
+    used.dedup_by_key(|(ip, _)| *ip);
     Ok(used)
+}
+
+/// The note of a `ServiceCIDRInUse` Event: how many addresses keep the deletion waiting and
+/// the first [`NAMED`] of them with their holders.
+fn in_use_note(used: &[(IpAddr, Option<String>)]) -> String {
+    let named: Vec<String> = used.iter().take(NAMED).map(|(ip, p)| format!("{ip} ({})", p.as_deref().unwrap_or("recorded by clusterip"))).collect();
+    let more = used.len().saturating_sub(NAMED);
+    format!(
+        "Deletion waits for {} address(es) only this ServiceCIDR covers: {}{}; delete or re-create their Services in another range (clusterip what-if delete-cidr lists them all)",
+        used.len(),
+        named.join(", "),
+        if more > 0 { format!(" and {more} more") } else { String::new() }
+    )
 }
 
 async fn reconcile(sc: Arc<ServiceCIDR>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -114,8 +139,15 @@ async fn reconcile(sc: Arc<ServiceCIDR>, ctx: Arc<Context>) -> Result<Action, Er
         let used = addresses_only_here(&ctx, &sc, &all).await?;
         if !used.is_empty() {
             set_ready(&api, &sc, "False", "Terminating", TERMINATING_MESSAGE).await?;
+            let note = in_use_note(&used);
+            let changed = crate::sync::lock(&ctx.told).insert(name.clone(), note.clone()).as_ref() != Some(&note);
+            if changed {
+                use kube::Resource as _;
+                ctx.events.warn_on(sc.object_ref(&()), "ServiceCIDRInUse", "Delete", note).await;
+            }
             return Ok(Action::requeue(Duration::from_secs(5)));
         }
+        crate::sync::lock(&ctx.told).remove(&name);
         let since = Timestamp::now().duration_since(deleted.0);
         if since < DELETION_GRACE.try_into().unwrap_or_default() {
             let wait = DELETION_GRACE.saturating_sub(Duration::try_from(since).unwrap_or_default());

@@ -55,6 +55,23 @@ async fn servicecidr_finalizer_ready_and_terminating() {
     let got = got.expect("still there");
     assert!(has_finalizer(&got), "finalizer removed while an address depends on the ServiceCIDR");
     assert!(ready(&got).unwrap().2.contains("There are still IPAddresses referencing the ServiceCIDR"));
+    // Which address keeps it, and whose, in a Warning Event on the ServiceCIDR (the
+    // condition keeps Kubernetes' words).
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(wh.client.clone(), "default");
+    let (events, name_ref) = (&events, &name);
+    let note = eventually_ok("a ServiceCIDRInUse Event naming the address", Duration::from_secs(60), Duration::from_millis(200), move || async move {
+        let list = events.list(&ListParams::default()).await.expect("list Events");
+        list.items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("ServiceCIDRInUse") && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name_ref.as_str()))
+            .and_then(|e| e.note)
+            .ok_or_else(|| "none yet".to_string())
+    })
+    .await;
+    assert_eq!(
+        note,
+        "Deletion waits for 1 address(es) only this ServiceCIDR covers: 198.18.250.10 (services/default/holder); delete or re-create their Services in another range (clusterip what-if delete-cidr lists them all)"
+    );
 
     // Once the address is gone, the finalizer goes and so does the ServiceCIDR.
     addrs.delete("198.18.250.10", &DeleteParams::default()).await.expect("delete IPAddress");

@@ -238,6 +238,7 @@ fn deploy_tree_passes_a_server_side_dry_run() {
             ("networking.k8s.io", "servicecidrs/status", &["patch"]),
             ("networking.k8s.io", "ipaddresses", &["get", "list", "watch", "create", "delete"]),
             ("events.k8s.io", "events", &["create", "patch"]),
+            ("", "nodes", &["list"]),
         ]),
         "controller ClusterRole"
     );
@@ -379,11 +380,18 @@ fn deploy_tree_passes_a_server_side_dry_run() {
     let https = svc["spec"]["ports"].as_array().expect("ports").iter().find(|p| p["port"] == 443).expect("port 443");
     assert_eq!(https["targetPort"], "webhook");
 
-    // Both webhook configurations.
-    for (kind, path, side_effects) in [("MutatingWebhookConfiguration", "/mutate", "NoneOnDryRun"), ("ValidatingWebhookConfiguration", "/validate", "None")] {
+    // Both webhook configurations: the Services' webhook first in each; the validating one
+    // also checks ServiceCIDRs, as a check that never blocks (failurePolicy Ignore).
+    for (kind, path, side_effects, count) in [("MutatingWebhookConfiguration", "/mutate", "NoneOnDryRun", 1), ("ValidatingWebhookConfiguration", "/validate", "None", 2)] {
         let cfg = find(&items, kind, "", "clusterip");
         let hooks = cfg["webhooks"].as_array().expect("webhooks");
-        assert_eq!(hooks.len(), 1, "{kind}");
+        assert_eq!(hooks.len(), count, "{kind}");
+        if count == 2 {
+            let c = &hooks[1];
+            assert_eq!((c["name"].as_str(), c["failurePolicy"].as_str(), c["sideEffects"].as_str()), (Some("validate-servicecidr.clusterip.allocator"), Some("Ignore"), Some("None")));
+            assert_eq!(c["clientConfig"]["service"]["path"], "/validate-servicecidr");
+            assert_eq!((strings(&c["rules"][0]["resources"]), strings(&c["rules"][0]["apiGroups"])), (vec!["servicecidrs".to_string()], vec!["networking.k8s.io".to_string()]));
+        }
         let h = &hooks[0];
         assert_eq!(h["failurePolicy"], "Fail", "{kind}");
         assert_eq!(h["sideEffects"], side_effects, "{kind}");

@@ -282,7 +282,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     // listener after --shutdown-delay-duration and drains its connections.
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let hook = server::Webhook { admission, metrics: metrics.clone(), body_timeout: args.webhook_read_timeout, draining: draining.clone() };
+    let hook = server::Webhook { admission, metrics: metrics.clone(), body_timeout: args.webhook_read_timeout, draining: draining.clone(), nodes: Some(kube::Api::all(client.clone())) };
     let mut web = server::serve_on_own_thread(listeners.webhook, tls, hook, webhook_limits(&args), stop_rx, args.shutdown_drain_timeout).context("starting the webhook thread")?;
     let reconcilers = Reconcilers {
         client: client.clone(),

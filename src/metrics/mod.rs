@@ -14,7 +14,7 @@
 //! | `clusterip_allocator_allocation_total` | counter | cidr, scope (static, dynamic) |
 //! | `clusterip_allocator_allocation_errors_total` | counter | cidr, scope |
 //! | `clusterip_allocator_allocation_duration_seconds` | histogram | cidr |
-//! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate), allowed |
+//! | `clusterip_webhook_admission_duration_seconds` | histogram | operation (mutate, validate, validate_servicecidr), allowed |
 //! | `clusterip_webhook_request_duration_seconds` | histogram | operation (mutate, validate), allowed |
 //! | `clusterip_webhook_bad_requests_total` | counter | operation |
 //! | `clusterip_webhook_refused_connections_total` | counter | reason (client_certificate, tls_handshake, handshake_timeout, source_limit, evicted) |
@@ -148,7 +148,7 @@ pub const WEBHOOK_REFUSAL_REASONS: [&str; 5] = ["client_certificate", "tls_hands
 pub const HTTP_REFUSAL_REASONS: [&str; 2] = ["source_limit", "evicted"];
 pub const RELEASE_REASONS: [&str; 2] = ["apiserver_released", "in_flight_limit"];
 pub const CONTROLLERS: [&str; 2] = ["service", "servicecidr"];
-pub const WEBHOOK_OPERATIONS: [&str; 2] = ["mutate", "validate"];
+pub const WEBHOOK_OPERATIONS: [&str; 3] = ["mutate", "validate", "validate_servicecidr"];
 
 fn latency_histogram() -> Histogram {
     // 25 µs … ~7 s in steps of 1.5×: admission answers take well under a millisecond.

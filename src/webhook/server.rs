@@ -1,4 +1,5 @@
-//! The webhook's HTTPS server: `POST /mutate`, `POST /validate`, `GET /healthz`,
+//! The webhook's HTTPS server: `POST /mutate`, `POST /validate` (Services),
+//! `POST /validate-servicecidr`, `GET /healthz`,
 //! `GET /readyz`. Only clients with a valid client certificate get this far (the TLS
 //! handshake checks it, see [`super::tls`]); the connection limits and timeouts are
 //! [`crate::serve`]'s. Bodies are read up to [`MAX_BODY`] within the read timeout; anything
@@ -45,6 +46,7 @@ fn json(body: Vec<u8>) -> Response<Full<Bytes>> {
 enum Kind {
     Mutate,
     Validate,
+    ValidateServiceCidr,
 }
 
 impl Kind {
@@ -52,16 +54,25 @@ impl Kind {
         match self {
             Kind::Mutate => "mutate",
             Kind::Validate => "validate",
+            Kind::ValidateServiceCidr => "validate_servicecidr",
         }
     }
 }
 
 /// Parse an AdmissionReview of a Service, or say what is wrong with it.
 pub fn parse_review(body: &[u8]) -> Result<AdmissionRequest<Service>, String> {
+    parse_review_of(body, "a Service")
+}
+
+/// Parse an AdmissionReview of a `K` (`what` names it in errors).
+pub fn parse_review_of<K>(body: &[u8], what: &str) -> Result<AdmissionRequest<K>, String>
+where
+    K: kube::Resource + serde::de::DeserializeOwned,
+{
     if body.is_empty() {
         return Err("empty body: expected an AdmissionReview (admission.k8s.io/v1) JSON object".into());
     }
-    let mut review: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not an AdmissionReview of a Service: {e}"))?;
+    let mut review: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not an AdmissionReview of {what}: {e}"))?;
     // Admission reads the spec and metadata, never the status; and a status the apiserver
     // stores can fail the typed read: a condition set with a zero `lastTransitionTime` comes
     // as `null`, which k8s-openapi's Condition requires to be a timestamp (found by
@@ -74,7 +85,7 @@ pub fn parse_review(body: &[u8]) -> Result<AdmissionRequest<Service>, String> {
             }
         }
     }
-    let review: AdmissionReview<Service> = serde_json::from_value(review).map_err(|e| format!("body is not an AdmissionReview of a Service: {e}"))?;
+    let review: AdmissionReview<K> = serde_json::from_value(review).map_err(|e| format!("body is not an AdmissionReview of {what}: {e}"))?;
     // The answer echoes the request's apiVersion and kind, so anything but the one version
     // our webhook configurations ask for (`admissionReviewVersions: ["v1"]`) is refused here
     // rather than answered in a form the kube-apiserver cannot read (found by fuzzing).
@@ -97,6 +108,8 @@ pub struct Webhook {
     pub body_timeout: Duration,
     /// Set once the controller is shutting down: `/readyz` answers 503.
     pub draining: Arc<AtomicBool>,
+    /// For the ServiceCIDR overlap check (None: no Nodes are read).
+    pub nodes: Option<kube::Api<k8s_openapi::api::core::v1::Node>>,
 }
 
 impl Webhook {
@@ -106,8 +119,9 @@ impl Webhook {
             (&Method::GET, "/healthz") | (&Method::GET, "/readyz") | (&Method::GET, "/livez") => return text(StatusCode::OK, "ok"),
             (&Method::POST, "/mutate") => Kind::Mutate,
             (&Method::POST, "/validate") => Kind::Validate,
-            (_, "/mutate") | (_, "/validate") => return text(StatusCode::METHOD_NOT_ALLOWED, "use POST with an AdmissionReview body\n"),
-            _ => return text(StatusCode::NOT_FOUND, "not found; the webhook serves POST /mutate and POST /validate\n"),
+            (&Method::POST, "/validate-servicecidr") => Kind::ValidateServiceCidr,
+            (_, "/mutate") | (_, "/validate") | (_, "/validate-servicecidr") => return text(StatusCode::METHOD_NOT_ALLOWED, "use POST with an AdmissionReview body\n"),
+            _ => return text(StatusCode::NOT_FOUND, "not found; the webhook serves POST /mutate, POST /validate and POST /validate-servicecidr\n"),
         };
         let (admission, metrics) = (&self.admission, &self.metrics);
         let started = Instant::now();
@@ -135,17 +149,27 @@ impl Webhook {
             }
         };
         let received = Instant::now();
-        let request = match parse_review(&body) {
-            Ok(r) => r,
-            Err(msg) => {
-                debug!(error = %msg, "rejected a malformed admission request");
-                metrics.webhook_bad_request(kind.label());
-                return text(StatusCode::BAD_REQUEST, msg + "\n");
-            }
+        let bad = |msg: String| {
+            debug!(error = %msg, "rejected a malformed admission request");
+            metrics.webhook_bad_request(kind.label());
+            text(StatusCode::BAD_REQUEST, msg + "\n")
         };
         let response = match kind {
-            Kind::Mutate => admission.mutate(&request).await,
-            Kind::Validate => admission.validate(&request).await,
+            Kind::Mutate | Kind::Validate => {
+                let request = match parse_review(&body) {
+                    Ok(r) => r,
+                    Err(msg) => return bad(msg),
+                };
+                if kind == Kind::Mutate {
+                    admission.mutate(&request).await
+                } else {
+                    admission.validate(&request).await
+                }
+            }
+            Kind::ValidateServiceCidr => match parse_review_of::<k8s_openapi::api::networking::v1::ServiceCIDR>(&body, "a ServiceCIDR") {
+                Ok(request) => super::servicecidr::validate(self.nodes.as_ref(), &request).await,
+                Err(msg) => return bad(msg),
+            },
         };
         let allowed = response.allowed;
         let answer = match serde_json::to_vec(&response.into_review()) {

@@ -271,3 +271,74 @@ impl Drop for ServiceCidrOnDrop {
         });
     }
 }
+
+/// The webhook's ServiceCIDR check through the real apiserver (registered here for the
+/// test's own ServiceCIDRs only, by label, with failurePolicy Fail so that a call that does
+/// not happen fails the test): a ServiceCIDR over a Node's pod CIDR is refused with
+/// Kubernetes' 422 and the reason; one elsewhere is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_servicecidr_over_a_nodes_pod_cidr_is_refused() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let cp = control_plane();
+    let client = cp.client().await;
+    let name = unique_name("cidr-check");
+    let mut args = crate::controller_common::client_auth_args(&cp);
+    args.extend(crate::controller_common::controller_args(&cp, "etcd", "198.18.173.0/24", &name, "default", "check-0", &cp.kubeconfig()));
+    let child = crate::controller_common::Controller::start(args);
+    use base64::Engine as _;
+    let ca = base64::engine::general_purpose::STANDARD.encode(std::fs::read(cp.dir().join("pki/ca.crt")).expect("dev CA"));
+    let cfg: ValidatingWebhookConfiguration = serde_json::from_value(json!({"metadata": {"name": name}, "webhooks": [{
+        "name": "validate-servicecidr.clusterip.allocator",
+        "clientConfig": {"url": format!("https://127.0.0.1:{}/validate-servicecidr", child.webhook_port), "caBundle": ca},
+        "rules": [{"apiGroups": ["networking.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["servicecidrs"], "scope": "Cluster"}],
+        "objectSelector": {"matchLabels": {"clusterip.allocator/e2e": name}},
+        "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 10}]}))
+    .expect("configuration");
+    let configs: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    configs.create(&PostParams::default(), &cfg).await.expect("register the ServiceCIDR check");
+    let node_name = format!("{name}-node");
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": node_name}, "spec": {"podCIDR": "198.18.174.0/24", "podCIDRs": ["198.18.174.0/24"]}})).expect("Node");
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes.create(&PostParams::default(), &node).await.expect("create a Node");
+    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
+    struct Cleanup(kube::Client, String);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let (client, name) = (self.0.clone(), self.1.clone());
+            block_on_drop(async move {
+                let dp = DeleteParams::default();
+                let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(&name, &dp).await;
+                let _ = Api::<Node>::all(client.clone()).delete(&format!("{name}-node"), &dp).await;
+                for which in ["over-pods", "elsewhere"] {
+                    let _ = Api::<ServiceCIDR>::all(client.clone()).delete(&format!("{name}-{which}"), &dp).await;
+                }
+            });
+        }
+    }
+    let _cleanup = Cleanup(client.clone(), name.clone());
+    let sc = |which: &str, range: &str| -> ServiceCIDR {
+        serde_json::from_value(json!({"metadata": {"name": format!("{name}-{which}"), "labels": {"clusterip.allocator/e2e": name}}, "spec": {"cidrs": [range]}})).expect("ServiceCIDR")
+    };
+    // The apiserver picks the configuration up asynchronously: until the create is refused.
+    let (cidrs_ref, over) = (&cidrs, sc("over-pods", "198.18.174.0/23"));
+    let over_ref = &over;
+    let refused = eventually_ok("the apiserver calls the ServiceCIDR check", Duration::from_secs(60), Duration::from_millis(200), move || async move {
+        match cidrs_ref.create(&PostParams { dry_run: true, ..Default::default() }, over_ref).await {
+            Err(kube::Error::Api(s)) => Ok(s),
+            Ok(_) => Err("admitted".to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    assert_eq!((refused.code, refused.reason.as_str()), (422, "Invalid"), "{refused:?}");
+    assert!(
+        refused.message.contains(&format!(r#"spec.cidrs[0]: Invalid value: "198.18.174.0/23": overlaps the pod CIDR 198.18.174.0/24 of Node {node_name} (a Service address there would also be a pod's or a node's)"#)),
+        "{}",
+        refused.message
+    );
+    assert!(cidrs.get_opt(&format!("{name}-over-pods")).await.expect("get").is_none());
+    cidrs.create(&PostParams::default(), &sc("elsewhere", "198.18.176.0/24")).await.expect("a ServiceCIDR elsewhere is created");
+    drop(child);
+}

@@ -4,11 +4,13 @@
 //! address, from when to when.
 //!
 //! The leading controller replica records it ([`record`]): it watches IPAddress objects and
-//! appends one line per change to the newest of a series of ConfigMaps in its namespace
-//! (`clusterip-address-history-<seq>`, label [`LABEL`]), one write every [`FLUSH`] —
-//! never one per admission. A chunk holds at most [`CHUNK_BYTES`]; past that a new one is
-//! started and the oldest beyond the retention (`--address-history-chunks`) deleted, so the
-//! whole log stays under `chunks × 64 KiB`. A new leader reads the log back, and its first
+//! appends one line per change to the newest of a series of ConfigMaps in its namespace,
+//! one series per shard of the addresses ([`SHARDS`], so that `explain` of one address
+//! reads a sixteenth of the log), `clusterip-address-history-<shard>-<seq>` (labels
+//! [`LABEL`], [`SHARD_LABEL`]): at most one write per shard every [`FLUSH`] — never one per
+//! admission. A chunk holds at most [`CHUNK_BYTES`]; past that a new one is started and the
+//! oldest beyond the retention (`--address-history-chunks`, split over the shards)
+//! deleted, so the whole log stays under `chunks × 64 KiB`. A new leader reads the log back, and its first
 //! list of IPAddresses fills what happened while no replica recorded: records created
 //! meanwhile carry their creationTimestamp, records gone meanwhile are logged as released
 //! when the list shows them gone, marked `~` (the moment is approximate).
@@ -122,11 +124,13 @@ pub fn holdings(log: &[Entry], ip: IpAddr) -> Vec<Holding> {
             }
             Transition::Released | Transition::ReleasedBefore => {
                 let approx = e.change == Transition::ReleasedBefore;
-                match out.last_mut().filter(|h| h.to.is_none() && h.parent == e.parent) {
-                    Some(h) => {
+                match out.last_mut().filter(|h| h.parent == e.parent) {
+                    Some(h) if h.to.is_none() => {
                         h.to = Some(e.at);
                         h.to_approximate = approx;
                     }
+                    // (Written twice: the holding has ended already.)
+                    Some(_) => {}
                     None => out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: None, to: Some(e.at), to_approximate: approx }),
                 }
             }
@@ -215,11 +219,37 @@ impl Holders {
     }
 }
 
-/// The log's chunks, oldest first: (sequence number, ConfigMap).
-async fn chunks(api: &Api<ConfigMap>) -> Result<Vec<(u64, ConfigMap)>, kube::Error> {
-    let list = api.list(&ListParams::default().labels(LABEL)).await?;
-    let mut out: Vec<(u64, ConfigMap)> = list.items.into_iter().filter_map(|c| Some((c.metadata.name.as_deref()?.strip_prefix(PREFIX)?.parse().ok()?, c))).collect();
-    out.sort_by_key(|(seq, _)| *seq);
+/// The log is kept in this many shards, by address: `explain` of one address reads one.
+pub const SHARDS: u32 = 16;
+/// Label naming a chunk's shard.
+pub const SHARD_LABEL: &str = "clusterip.allocator/address-history-shard";
+
+/// The shard of `ip`.
+pub fn shard_of(ip: IpAddr) -> u32 {
+    let low = match ip {
+        IpAddr::V4(v) => u32::from(v),
+        IpAddr::V6(v) => u128::from(v) as u32,
+    };
+    low % SHARDS
+}
+
+/// Chunks in `namespace` (one shard's, or all), oldest first per shard: (shard, sequence
+/// number, ConfigMap).
+async fn chunks(api: &Api<ConfigMap>, shard: Option<u32>) -> Result<Vec<(u32, u64, ConfigMap)>, kube::Error> {
+    let selector = match shard {
+        Some(s) => format!("{LABEL},{SHARD_LABEL}={s}"),
+        None => LABEL.to_string(),
+    };
+    let list = api.list(&ListParams::default().labels(&selector)).await?;
+    let mut out: Vec<(u32, u64, ConfigMap)> = list
+        .items
+        .into_iter()
+        .filter_map(|c| {
+            let (shard, seq) = c.metadata.name.as_deref()?.strip_prefix(PREFIX)?.split_once('-')?;
+            Some((shard.parse().ok()?, seq.parse().ok()?, c))
+        })
+        .collect();
+    out.sort_by_key(|(shard, seq, _)| (*shard, *seq));
     Ok(out)
 }
 
@@ -227,35 +257,66 @@ fn text_of(c: &ConfigMap) -> &str {
     c.data.as_ref().and_then(|d| d.get(KEY)).map(String::as_str).unwrap_or_default()
 }
 
-/// The whole log, oldest first, as stored in `namespace`.
-pub async fn read(client: &kube::Client, namespace: &str) -> Result<Vec<Entry>, kube::Error> {
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
-    Ok(chunks(&api).await?.iter().flat_map(|(_, c)| text_of(c).lines().filter_map(Entry::parse).collect::<Vec<_>>()).collect())
+/// The lines of `chunks`, shard after shard, each shard in the order it was written: every
+/// address's lines are in one shard, in order (a line's time is not its order: an
+/// allocation carries its record's creationTimestamp).
+fn entries(chunks: &[(u32, u64, ConfigMap)]) -> Vec<Entry> {
+    chunks.iter().flat_map(|(_, _, c)| text_of(c).lines().filter_map(Entry::parse).collect::<Vec<_>>()).collect()
 }
 
-fn chunk(seq: u64, text: String) -> ConfigMap {
+/// The whole log as stored in `namespace`, shard after shard (each address's lines in order).
+pub async fn read(client: &kube::Client, namespace: &str) -> Result<Vec<Entry>, kube::Error> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    Ok(entries(&chunks(&api, None).await?))
+}
+
+/// The log of `ip`'s shard (every line of `ip` among others), in order.
+pub async fn read_for(client: &kube::Client, namespace: &str, ip: IpAddr) -> Result<Vec<Entry>, kube::Error> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    Ok(entries(&chunks(&api, Some(shard_of(ip))).await?))
+}
+
+fn name_of(shard: u32, seq: u64) -> String {
+    format!("{PREFIX}{shard:02}-{seq:08}")
+}
+
+fn chunk(shard: u32, seq: u64, text: String) -> ConfigMap {
     let mut c = ConfigMap::default();
-    c.metadata.name = Some(format!("{PREFIX}{seq:08}"));
-    c.metadata.labels = Some(BTreeMap::from([(LABEL.to_string(), "true".to_string())]));
+    c.metadata.name = Some(name_of(shard, seq));
+    c.metadata.labels = Some(BTreeMap::from([(LABEL.to_string(), "true".to_string()), (SHARD_LABEL.to_string(), shard.to_string())]));
     c.data = Some(BTreeMap::from([(KEY.to_string(), text)]));
     c
 }
 
+/// What the recorder knows of one shard's chunks: their sequence numbers, oldest first,
+/// and the newest as last written (its resourceVersion the next write's precondition).
+#[derive(Default)]
+struct Tail {
+    seqs: Vec<u64>,
+    newest: Option<ConfigMap>,
+}
+
 /// Record the history until the task is aborted (the replica stops leading): read the log
-/// back, watch IPAddress objects, write every [`FLUSH`]. Keeps `keep` chunks.
+/// back, watch IPAddress objects, write every [`FLUSH`]. Keeps about `keep` chunks in all
+/// (`keep / SHARDS` per shard, at least one).
 pub async fn record(client: kube::Client, namespace: String, keep: usize) {
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-    let log = loop {
-        match read(&client, &namespace).await {
-            Ok(log) => break log,
+    let stored = loop {
+        match chunks(&cms, None).await {
+            Ok(all) => break all,
             Err(e) => {
                 warn!(error = %e, "could not read the address history back; trying again");
                 tokio::time::sleep(FLUSH).await;
             }
         }
     };
-    let holders = Arc::new(Mutex::new(Holders::replay(&log)));
-    drop(log);
+    let holders = Arc::new(Mutex::new(Holders::replay(&entries(&stored))));
+    let mut tails: HashMap<u32, Tail> = HashMap::new();
+    for (shard, seq, c) in stored {
+        let t = tails.entry(shard).or_default();
+        t.seqs.push(seq);
+        t.newest = Some(c);
+    }
     let pending: Arc<Mutex<Vec<Entry>>> = Arc::default();
     let now = || k8s_openapi::jiff::Timestamp::now().as_second();
     let watch = {
@@ -271,71 +332,85 @@ pub async fn record(client: kube::Client, namespace: String, keep: usize) {
             lock(&pending).extend(new);
         })
     };
+    let per_shard = (keep / SHARDS as usize).max(1);
     let write = async move {
         let mut every = tokio::time::interval(FLUSH);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             every.tick().await;
             let batch: Vec<Entry> = std::mem::take(&mut *lock(&pending));
-            if batch.is_empty() {
-                continue;
+            let mut by_shard: BTreeMap<u32, Vec<Entry>> = BTreeMap::new();
+            for e in batch {
+                by_shard.entry(shard_of(e.address)).or_default().push(e);
             }
-            if let Err(e) = append(&cms, &batch, keep).await {
-                warn!(error = %e, lines = batch.len(), "could not write the address history; trying again at the next flush");
-                let mut p = lock(&pending);
-                let later = std::mem::take(&mut *p);
-                *p = batch;
-                p.extend(later);
+            for (shard, lines) in by_shard {
+                let tail = tails.entry(shard).or_default();
+                if let Err(e) = append(&cms, shard, tail, &lines, per_shard).await {
+                    warn!(error = %e, shard, lines = lines.len(), "could not write the address history; trying again at the next flush");
+                    // Read the shard's chunks again next time (another writer, or a delete).
+                    *tail = match chunks(&cms, Some(shard)).await {
+                        Ok(list) => Tail { seqs: list.iter().map(|(_, s, _)| *s).collect(), newest: list.into_iter().last().map(|(_, _, c)| c) },
+                        Err(_) => Tail::default(),
+                    };
+                    let mut p = lock(&pending);
+                    let later = std::mem::take(&mut *p);
+                    *p = lines;
+                    p.extend(later);
+                }
             }
         }
     };
     tokio::join!(watch, write);
 }
 
-/// Append `batch` to the newest chunk, starting new ones as each fills up, then delete the
-/// oldest beyond `keep`. An existing chunk is replaced with its resourceVersion as
-/// precondition: a write of another replica meanwhile fails this one, and the batch is
+/// Append `batch` to the newest chunk of `shard`, starting new ones as each fills up, then
+/// delete the oldest beyond `keep`. An existing chunk is replaced with its resourceVersion
+/// as precondition: a write of another replica meanwhile fails this one, and the batch is
 /// tried again at the next flush (a line written twice reads as one: [`holdings`]).
-async fn append(api: &Api<ConfigMap>, batch: &[Entry], keep: usize) -> Result<(), kube::Error> {
-    let all = chunks(api).await?;
-    let (mut seq, mut text, mut existing) = match all.last() {
-        Some((seq, c)) => (*seq, text_of(c).to_string(), Some(c.clone())),
-        None => (0, String::new(), None),
-    };
-    let mut started = 0;
+async fn append(api: &Api<ConfigMap>, shard: u32, tail: &mut Tail, batch: &[Entry], keep: usize) -> Result<(), kube::Error> {
+    let mut seq = tail.seqs.last().copied().unwrap_or(0);
+    let mut existing = tail.newest.take();
+    let mut text = existing.as_ref().map(|c| text_of(c).to_string()).unwrap_or_default();
     for e in batch {
         let line = e.line() + "\n";
         if !text.is_empty() && text.len() + line.len() > CHUNK_BYTES {
-            write(api, seq, std::mem::take(&mut text), existing.take()).await?;
+            write(api, shard, seq, std::mem::take(&mut text), existing.take()).await?;
+            if tail.seqs.last() != Some(&seq) {
+                tail.seqs.push(seq);
+            }
             seq += 1;
-            started += 1;
         }
         text.push_str(&line);
     }
-    if all.is_empty() {
-        started += 1;
+    let written = write(api, shard, seq, text, existing).await?;
+    if tail.seqs.last() != Some(&seq) {
+        tail.seqs.push(seq);
     }
-    write(api, seq, text, existing).await?;
-    let total = all.len() + started;
-    for (old, _) in all.iter().take(total.saturating_sub(keep.max(1))) {
-        api.delete(&format!("{PREFIX}{old:08}"), &DeleteParams::default()).await?;
+    tail.newest = Some(written);
+    while tail.seqs.len() > keep.max(1) {
+        let old = tail.seqs.remove(0);
+        match api.delete(&name_of(shard, old), &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }
 
-/// Write chunk `seq`: replace `existing` (its resourceVersion the precondition), else create.
-async fn write(api: &Api<ConfigMap>, seq: u64, text: String, existing: Option<ConfigMap>) -> Result<(), kube::Error> {
+/// Write chunk `seq` of `shard`: replace `existing` (its resourceVersion the precondition),
+/// else create. Returns the chunk as stored.
+async fn write(api: &Api<ConfigMap>, shard: u32, seq: u64, text: String, existing: Option<ConfigMap>) -> Result<ConfigMap, kube::Error> {
     match existing {
         Some(mut c) => {
             c.data = Some(BTreeMap::from([(KEY.to_string(), text)]));
-            api.replace(&format!("{PREFIX}{seq:08}"), &PostParams::default(), &c).await?;
+            api.replace(&name_of(shard, seq), &PostParams::default(), &c).await
         }
         None => {
-            api.create(&PostParams::default(), &chunk(seq, text)).await?;
-            debug!(seq, "address history: a new chunk");
+            debug!(shard, seq, "address history: a new chunk");
+            api.create(&PostParams::default(), &chunk(shard, seq, text)).await
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -383,5 +458,8 @@ mod tests {
         assert_eq!(holdings(&log, "10.96.0.6".parse().expect("ip")).len(), 1);
         // Replayed, the log ends where the recorder did.
         assert_eq!(Holders::replay(&log).now, h.now);
+        // Lines written twice (a flush tried again after a conflict) read as once.
+        let twice: Vec<Entry> = log.iter().flat_map(|e| [e.clone(), e.clone()]).collect();
+        assert_eq!(holdings(&twice, ip), holdings(&log, ip));
     }
 }

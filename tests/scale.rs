@@ -3,8 +3,9 @@
 //! `clusterip_test_support::inject`), on the ipaddress backend — the one whose start-up and
 //! block acquisitions read every IPAddress. Measured: the time from start to ready, its
 //! memory (VmRSS once ready; VmHWM, the peak, after the answers), the webhook's answer to
-//! new creates (AdmissionReviews posted as the apiserver does, one after another), and its
-//! CPU while idle. A benchmark, not part of the suite:
+//! new creates (AdmissionReviews posted as the apiserver does, one after another), the
+//! time of `clusterip explain` of one address once the address history holds them all, and
+//! its CPU while idle. A benchmark, not part of the suite:
 //!
 //!   CLUSTERIP_SCALE_SERVICES=50000 cargo test --test scale -- --ignored --nocapture
 //!
@@ -53,6 +54,8 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 async fn measure(cp: &ControlPlane, services: u64) {
     let mut args = client_auth_args(cp);
     args.extend(controller_args(cp, "ipaddress", &format!("{RANGE_V4},{RANGE_V6}"), "scale", "default", &format!("scale-{services}"), &cp.kubeconfig()));
+    // The address history on (tests keep none by default), for `explain` below.
+    args.extend(["--address-history-chunks".to_string(), "64".to_string()]);
     let started = Instant::now();
     let c = Controller::start(args);
     c.wait_ready().await;
@@ -70,6 +73,32 @@ async fn measure(cp: &ControlPlane, services: u64) {
         assert!(allowed(&answer), "review {i} not allowed: {answer}");
     }
     took.sort();
+
+    // `clusterip explain` of one address (the library call the command makes), once the
+    // leader has written the history of every address it found: 20 times, one after another.
+    let client = cp.client().await;
+    let range = clusterip::cidr::ServiceCidr::parse(RANGE_V4).expect("range");
+    let target = clusterip::repair::Target::IpAddress { manager: clusterip::store::ipaddress::objects::DEFAULT_MANAGER.into(), ranges: vec![range.clone()], use_servicecidrs: false };
+    // With no Services: the `kubernetes` Service's address.
+    let ip = range.ip_at(if services == 0 { 0 } else { services / 2 + 2 }).expect("an address");
+    let (client_ref, started_history) = (&client, Instant::now());
+    let history_written = clusterip_test_support::within(Duration::from_secs(300), Duration::from_millis(500), move || async move {
+        let log = clusterip::history::read_for(client_ref, "default", ip).await.unwrap_or_default();
+        log.iter().any(|e| e.address == ip).then_some(())
+    })
+    .await
+    .map(|()| started_history.elapsed());
+    let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> = kube::Api::namespaced(client.clone(), "default");
+    let chunks = cms.list(&kube::api::ListParams::default().labels(clusterip::history::LABEL)).await.map(|l| l.items.len()).unwrap_or(0);
+    let mut explain_took = Vec::new();
+    let mut holdings = 0;
+    for _ in 0..20 {
+        let t = Instant::now();
+        let e = clusterip::repair::explain::explain(&client, &target, ip, Some("default")).await.expect("explain");
+        explain_took.push(t.elapsed());
+        holdings = e.history.map(|h| h.len()).unwrap_or(0);
+    }
+    explain_took.sort();
     let (rss_after, hwm) = memory_mib(c.pid());
 
     // Idle: CPU over 30 s (the subject here is time itself).
@@ -79,10 +108,13 @@ async fn measure(cp: &ControlPlane, services: u64) {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let idle_cpu = (cpu_ticks(c.pid()) - ticks) as f64 / hz / 30.0 * 100.0;
     println!(
-        "RESULT scale services={services} ready_s={:.1} rss_ready_mib={rss_ready:.1} rss_after_mib={rss_after:.1} hwm_mib={hwm:.1} mutate_p50_ms={:.2} mutate_p99_ms={:.2} idle_cpu_pct={idle_cpu:.1}",
+        "RESULT scale services={services} ready_s={:.1} rss_ready_mib={rss_ready:.1} rss_after_mib={rss_after:.1} hwm_mib={hwm:.1} mutate_p50_ms={:.2} mutate_p99_ms={:.2} idle_cpu_pct={idle_cpu:.1} history_chunks={chunks} history_written_s={} explain_p50_ms={:.1} explain_max_ms={:.1} explain_holdings={holdings}",
         ready.as_secs_f64(),
         percentile(&took, 0.50),
-        percentile(&took, 0.99)
+        percentile(&took, 0.99),
+        history_written.map(|d| format!("{:.1}", d.as_secs_f64())).unwrap_or_else(|| "none".into()),
+        percentile(&explain_took, 0.50),
+        percentile(&explain_took, 1.0)
     );
 }
 

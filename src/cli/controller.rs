@@ -210,9 +210,10 @@ pub struct ControllerArgs {
     #[arg(long, default_value = "60s", value_parser = clusterip_component_base::parse_duration)]
     pub repair_grace_period: std::time::Duration,
 
-    /// How many chunks of the address history the leader keeps (ConfigMaps
-    /// `clusterip-address-history-<n>` in --leader-elect-namespace, up to 64 KiB each: who
-    /// held each address, from when to when, for `clusterip explain`); 0: record none.
+    /// How many chunks of the address history the leader keeps in all, over 16 shards
+    /// (ConfigMaps `clusterip-address-history-<shard>-<n>` in --leader-elect-namespace, up
+    /// to 64 KiB each: who held each address, from when to when, for `clusterip explain`);
+    /// 0: record none.
     #[arg(long, env = "CLUSTERIP_ADDRESS_HISTORY_CHUNKS", default_value_t = crate::history::DEFAULT_CHUNKS)]
     pub address_history_chunks: usize,
 }

@@ -152,7 +152,7 @@ pub async fn explain(client: &kube::Client, target: &Target, ip: IpAddr, namespa
         _ => None,
     };
     let history = match namespace {
-        Some(ns) => match crate::history::read(client, ns).await {
+        Some(ns) => match crate::history::read_for(client, ns, ip).await {
             Ok(log) => Some(crate::history::holdings(&log, ip)),
             Err(kube::Error::Api(s)) if s.code == 403 || s.code == 404 => None,
             Err(source) => return Err(RepairError::List { what: "address history ConfigMaps", source }),

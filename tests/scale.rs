@@ -1,13 +1,15 @@
 //! One controller replica beside a large cluster: with no Services, then with N Services and
 //! their IPAddress objects existing (written straight into the apiserver's etcd,
 //! `clusterip_test_support::inject`), on the ipaddress backend — the one whose start-up and
-//! block acquisitions read every IPAddress. Measured: the time from start to ready, its
+//! block acquisitions read every IPAddress — or the etcd backend (`CLUSTERIP_SCALE_BACKEND`),
+//! which records every IPAddress it lacks in its map at start. Measured: the time from start to ready, its
 //! memory (VmRSS once ready; VmHWM, the peak, after the answers), the webhook's answer to
 //! new creates (AdmissionReviews posted as the apiserver does, one after another), the
 //! time of `clusterip explain` of one address once the address history holds them all, and
 //! its CPU while idle. A benchmark, not part of the suite:
 //!
 //!   CLUSTERIP_SCALE_SERVICES=50000 cargo test --test scale -- --ignored --nocapture
+//!   CLUSTERIP_SCALE_BACKEND=etcd CLUSTERIP_SCALE_SERVICES=50000 cargo test --test scale -- --ignored --nocapture
 //!
 //! Prints `RESULT scale …` per size. The Deployment's memory limit is 256 Mi
 //! (deploy/deployment.yaml); docs/benchmarks.md has the figures.
@@ -51,9 +53,9 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 }
 
 /// Start a replica, measure it, stop it.
-async fn measure(cp: &ControlPlane, services: u64) {
+async fn measure(cp: &ControlPlane, backend: &str, services: u64) {
     let mut args = client_auth_args(cp);
-    args.extend(controller_args(cp, "ipaddress", &format!("{RANGE_V4},{RANGE_V6}"), "scale", "default", &format!("scale-{services}"), &cp.kubeconfig()));
+    args.extend(controller_args(cp, backend, &format!("{RANGE_V4},{RANGE_V6}"), "scale", "default", &format!("scale-{services}"), &cp.kubeconfig()));
     // The address history on (tests keep none by default), for `explain` below.
     args.extend(["--address-history-chunks".to_string(), "64".to_string()]);
     let started = Instant::now();
@@ -78,7 +80,14 @@ async fn measure(cp: &ControlPlane, services: u64) {
     // leader has written the history of every address it found: 20 times, one after another.
     let client = cp.client().await;
     let range = clusterip::cidr::ServiceCidr::parse(RANGE_V4).expect("range");
-    let target = clusterip::repair::Target::IpAddress { manager: clusterip::store::ipaddress::objects::DEFAULT_MANAGER.into(), ranges: vec![range.clone()], use_servicecidrs: false };
+    let target = match backend {
+        // The controllers' map (`controller_args`: prefix /clusterip-test/scale).
+        "etcd" => {
+            let cfg = clusterip::store::etcd::EtcdConfig { endpoints: cp.etcd_endpoints(), prefix: "/clusterip-test/scale".into(), ..Default::default() };
+            clusterip::repair::Target::Etcd(std::sync::Arc::new(clusterip::store::etcd::EtcdStore::open(&cfg, vec![range.clone()]).await.expect("open the map")))
+        }
+        _ => clusterip::repair::Target::IpAddress { manager: clusterip::store::ipaddress::objects::DEFAULT_MANAGER.into(), ranges: vec![range.clone()], use_servicecidrs: false },
+    };
     // With no Services: the `kubernetes` Service's address.
     let ip = range.ip_at(if services == 0 { 0 } else { services / 2 + 2 }).expect("an address");
     let (client_ref, started_history) = (&client, Instant::now());
@@ -108,7 +117,7 @@ async fn measure(cp: &ControlPlane, services: u64) {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let idle_cpu = (cpu_ticks(c.pid()) - ticks) as f64 / hz / 30.0 * 100.0;
     println!(
-        "RESULT scale services={services} ready_s={:.1} rss_ready_mib={rss_ready:.1} rss_after_mib={rss_after:.1} hwm_mib={hwm:.1} mutate_p50_ms={:.2} mutate_p99_ms={:.2} idle_cpu_pct={idle_cpu:.1} history_chunks={chunks} history_written_s={} explain_p50_ms={:.1} explain_max_ms={:.1} explain_holdings={holdings}",
+        "RESULT scale backend={backend} services={services} ready_s={:.1} rss_ready_mib={rss_ready:.1} rss_after_mib={rss_after:.1} hwm_mib={hwm:.1} mutate_p50_ms={:.2} mutate_p99_ms={:.2} idle_cpu_pct={idle_cpu:.1} history_chunks={chunks} history_written_s={} explain_p50_ms={:.1} explain_max_ms={:.1} explain_holdings={holdings}",
         ready.as_secs_f64(),
         percentile(&took, 0.50),
         percentile(&took, 0.99),
@@ -123,12 +132,13 @@ async fn measure(cp: &ControlPlane, services: u64) {
 async fn one_replica_beside_many_services() {
     let n: u64 = std::env::var("CLUSTERIP_SCALE_SERVICES").ok().and_then(|v| v.parse().ok()).unwrap_or(50_000);
     let cp = ControlPlane::private_with("scale", &[("CLUSTERIP_APISERVER_SERVICE_CIDRS", &format!("{RANGE_V4},{RANGE_V6}"))]);
-    measure(&cp, 0).await;
+    let backend = std::env::var("CLUSTERIP_SCALE_BACKEND").unwrap_or_else(|_| "ipaddress".into());
+    measure(&cp, &backend, 0).await;
     let range = clusterip::cidr::ServiceCidr::parse(RANGE_V4).expect("the range");
     // Offsets from 2 (the `kubernetes` Service holds the first).
     let t = Instant::now();
     let written = clusterip_test_support::inject::services(&cp.etcd_endpoints(), (2..2 + n).filter_map(|i| Some((i, range.ip_at(i)?))), true).await.expect("inject Services and IPAddresses");
     assert_eq!(written, n);
     println!("injected services={n} ipaddresses={n} in {:.1} s", t.elapsed().as_secs_f64());
-    measure(&cp, n).await;
+    measure(&cp, &backend, n).await;
 }

@@ -51,6 +51,11 @@ impl Activity {
         self.in_flight.load(Ordering::SeqCst) > 0
     }
 
+    /// Requests in flight now.
+    pub(super) fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
     /// Since when the connection has had no request in flight; None while one is.
     fn idle_since(&self) -> Option<Instant> {
         if self.busy() {

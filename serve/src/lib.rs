@@ -410,6 +410,7 @@ async fn drive<C: Graceful>(conn: C, slot: &Slot, limits: &Limits, mut stop: wat
                 closing = Some(tokio::time::Instant::now() + drain_timeout);
             }
             _ = slot.evicted(), if closing.is_none() => {
+                debug!(busy = activity.busy(), "closing a connection to make room for a new one");
                 if !activity.busy() {
                     return Ok(());
                 }
@@ -418,11 +419,18 @@ async fn drive<C: Graceful>(conn: C, slot: &Slot, limits: &Limits, mut stop: wat
             }
             _ = tokio::time::sleep_until(check_at), if closing.is_none() => {
                 if activity.idle_at(limits.read_timeout, limits.idle_timeout).is_some_and(|t| t <= Instant::now()) {
+                    debug!("closing an idle connection");
                     conn.as_mut().begin_shutdown();
                     closing = Some(tokio::time::Instant::now() + limits.read_timeout);
                 }
             }
-            _ = tokio::time::sleep_until(closing.unwrap_or_else(tokio::time::Instant::now)), if closing.is_some() => return Ok(()),
+            _ = tokio::time::sleep_until(closing.unwrap_or_else(tokio::time::Instant::now)), if closing.is_some() => {
+                if activity.busy() {
+                    // Its client sees the connection end under a request (an "EOF").
+                    warn!(in_flight = activity.in_flight(), "closed a connection with requests still in flight: its close deadline passed");
+                }
+                return Ok(());
+            }
         }
     }
 }

@@ -101,7 +101,7 @@ impl Controller {
         cmd.arg("controller")
             .args(args)
             .args(["--webhook-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0", "--health-probe-bind-address", "127.0.0.1:0"])
-            .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::controller::leader=info,clusterip_serve=info,clusterip::store::etcd=info,clusterip::store::ipaddress::blocks=debug,clusterip::webhook::admission=debug,clusterip::repair=info")
+            .env("RUST_LOG", "warn,clusterip::cli::controller=info,clusterip::controller::leader=info,clusterip_serve=debug,clusterip::store::etcd=info,clusterip::store::ipaddress::blocks=debug,clusterip::webhook::admission=debug,clusterip::repair=info")
             .env("NO_COLOR", "1")
             // Tests' controllers share the namespace `default` and keep no address history
             // unless a test asks (`--address-history-chunks`, which overrides this).
@@ -165,6 +165,16 @@ impl Controller {
 impl Drop for Controller {
     fn drop(&mut self) {
         self.kill();
+        // A failing test shows what each of its controllers said last (the log goes with
+        // the directory).
+        if std::thread::panicking() {
+            let log = self.log();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("--- the last {} lines of controller {} (pid {}) ---", tail.len(), self.dir.display(), self.child.id());
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

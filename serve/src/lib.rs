@@ -392,21 +392,34 @@ where
     }
 }
 
+/// How long a connection asked to close for idleness or to make room may go on answering
+/// the requests it had accepted (each is bounded by the handler's own timeouts; this bounds
+/// a handler that never ends).
+pub const IN_FLIGHT_GRACE: Duration = Duration::from_secs(60);
+
 /// Run a connection until it ends; ask it to finish when it is idle too long, the server
-/// stops or the book makes room with it (a request in flight is still answered), and drop
-/// it if it has not finished by the deadline that follows.
+/// stops or the book makes room with it. A request it has accepted is still answered: when
+/// it was asked to close for idleness or to make room, it is dropped once its requests are
+/// answered and `read_timeout` has passed (at most [`IN_FLIGHT_GRACE`]); when the server
+/// stops, after `drain_timeout` whatever is in flight.
 async fn drive<C: Graceful>(conn: C, slot: &Slot, limits: &Limits, mut stop: watch::Receiver<bool>, drain_timeout: Duration) -> hyper::Result<()> {
     let activity = &slot.activity;
     tokio::pin!(conn);
     let mut closing: Option<tokio::time::Instant> = None;
+    // Set when the close is the server's stop: its deadline is final.
+    let mut stopping = false;
+    let mut grace_until: Option<tokio::time::Instant> = None;
     loop {
         let idle_at = activity.idle_at(limits.read_timeout, limits.idle_timeout).map(tokio::time::Instant::from_std);
         // (While a request is in flight, look again after a while: it may finish.)
         let check_at = idle_at.unwrap_or_else(|| tokio::time::Instant::now() + limits.read_timeout);
         tokio::select! {
             r = conn.as_mut() => return r,
-            _ = stopped(&mut stop), if closing.is_none() => {
-                conn.as_mut().begin_shutdown();
+            _ = stopped(&mut stop), if !stopping => {
+                if closing.is_none() {
+                    conn.as_mut().begin_shutdown();
+                }
+                stopping = true;
                 closing = Some(tokio::time::Instant::now() + drain_timeout);
             }
             _ = slot.evicted(), if closing.is_none() => {
@@ -416,15 +429,24 @@ async fn drive<C: Graceful>(conn: C, slot: &Slot, limits: &Limits, mut stop: wat
                 }
                 conn.as_mut().begin_shutdown();
                 closing = Some(tokio::time::Instant::now() + limits.read_timeout);
+                grace_until = Some(tokio::time::Instant::now() + IN_FLIGHT_GRACE);
             }
             _ = tokio::time::sleep_until(check_at), if closing.is_none() => {
                 if activity.idle_at(limits.read_timeout, limits.idle_timeout).is_some_and(|t| t <= Instant::now()) {
                     debug!("closing an idle connection");
                     conn.as_mut().begin_shutdown();
                     closing = Some(tokio::time::Instant::now() + limits.read_timeout);
+                    grace_until = Some(tokio::time::Instant::now() + IN_FLIGHT_GRACE);
                 }
             }
             _ = tokio::time::sleep_until(closing.unwrap_or_else(tokio::time::Instant::now)), if closing.is_some() => {
+                let now = tokio::time::Instant::now();
+                if activity.busy() && !stopping && grace_until.is_some_and(|g| now < g) {
+                    // A request accepted before the close is still being answered (a slow
+                    // store, a loaded machine): let it finish; look again shortly.
+                    closing = Some(now + Duration::from_millis(200));
+                    continue;
+                }
                 if activity.busy() {
                     // Its client sees the connection end under a request (an "EOF").
                     warn!(in_flight = activity.in_flight(), "closed a connection with requests still in flight: its close deadline passed");

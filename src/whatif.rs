@@ -36,6 +36,17 @@ pub struct NodeView {
     pub addresses: Vec<String>,
 }
 
+impl NodeView {
+    /// What `node` holds: its pod CIDRs (`podCIDRs`, else `podCIDR`) and its addresses.
+    pub fn of(node: k8s_openapi::api::core::v1::Node) -> NodeView {
+        NodeView {
+            name: node.metadata.name.unwrap_or_default(),
+            pod_cidrs: node.spec.as_ref().and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c]))).unwrap_or_default(),
+            addresses: node.status.and_then(|s| s.addresses).unwrap_or_default().into_iter().map(|a| a.address).collect(),
+        }
+    }
+}
+
 /// A range the change adds (or narrows to).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct NewRange {

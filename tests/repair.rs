@@ -99,21 +99,25 @@ impl Run {
     }
 }
 
-/// `clusterip repair <args> -o json`.
-async fn repair(args: &[String]) -> Run {
+/// `clusterip <args> -o json`: its exit code, its JSON and its stderr (no panic in it).
+async fn clusterip_json(args: &[String]) -> Run {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
-        .arg("repair")
         .args(args)
         .args(["-o", "json"])
         .env("RUST_LOG", "warn")
         .output()
         .await
-        .expect("run clusterip repair");
+        .expect("run clusterip");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("repair printed no JSON ({e}): {stdout}\nstderr: {stderr}"));
+    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("clusterip {args:?} printed no JSON ({e}): {stdout}\nstderr: {stderr}"));
     assert!(!stderr.contains("panicked"), "{stderr}");
     Run { code: out.status.code().unwrap_or(-1), json, stderr }
+}
+
+/// `clusterip repair <args> -o json`.
+async fn repair(args: &[String]) -> Run {
+    clusterip_json(&[strs(&["repair"]), args.to_vec()].concat()).await
 }
 
 fn strs(v: &[&str]) -> Vec<String> {
@@ -529,18 +533,8 @@ async fn etcd_backend_reports_drift_the_apiserver_would_refuse() {
 
 /// `clusterip explain <ip> <args> -o json`: exit code and the explanation.
 async fn explain(ip: &str, args: &[String]) -> (i32, Value) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
-        .args(["explain", ip])
-        .args(args)
-        .args(["-o", "json"])
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run clusterip explain");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("explain {ip} printed no JSON ({e}): {stdout}\nstderr: {stderr}"));
-    (out.status.code().unwrap_or(-1), json)
+    let run = clusterip_json(&[strs(&["explain", ip]), args.to_vec()].concat()).await;
+    (run.code, run.json)
 }
 
 /// `clusterip explain` on the etcd backend (198.19.0.64/28): a Service and its map record
@@ -693,9 +687,9 @@ async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
 
     // `clusterip capacity` over the same range: api's address used, the history found but
     // too young for any rate window, so no forecast.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).arg("capacity").args(explain_args).args(["-o", "json"]).output().await.expect("run clusterip capacity");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let cap: Value = serde_json::from_slice(&out.stdout).expect("capacity JSON");
+    let run = clusterip_json(&[strs(&["capacity"]), explain_args.clone()].concat()).await;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let cap = run.json;
     let r = &cap["ranges"][0];
     assert_eq!((r["cidr"].as_str(), r["size"].as_u64(), r["used"].as_u64(), r["free"].as_u64()), (Some("198.19.0.96/28"), Some(14), Some(1), Some(13)), "{cap:#}");
     assert_eq!((r["dynamic_band"]["used"].as_u64(), r["static_band"]["size"].as_u64()), (Some(1), Some(0)), "a /28 has no static band: {cap:#}");
@@ -745,9 +739,8 @@ async fn what_if_tells_what_a_servicecidr_change_would_strand_or_overlap() {
     let what_if = |args: Vec<String>| {
         let kubeconfig = cp.kubeconfig().display().to_string();
         async move {
-            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).arg("what-if").args(&args).args(["-o", "json", "--kubeconfig", &kubeconfig]).output().await.expect("run what-if");
-            let json: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("what-if {args:?}: no JSON ({e}): {}", String::from_utf8_lossy(&out.stderr)));
-            (out.status.code().unwrap_or(-1), json)
+            let run = clusterip_json(&[strs(&["what-if"]), args, strs(&["--kubeconfig", &kubeconfig])].concat()).await;
+            (run.code, run.json)
         }
     };
     let (code, del) = what_if(strs(&["delete-cidr", &name])).await;

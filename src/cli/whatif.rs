@@ -79,11 +79,7 @@ pub async fn run(args: WhatIfArgs) -> anyhow::Result<i32> {
         .context("listing Nodes")?
         .items
         .into_iter()
-        .map(|n| NodeView {
-            name: n.metadata.name.unwrap_or_default(),
-            pod_cidrs: n.spec.as_ref().and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c]))).unwrap_or_default(),
-            addresses: n.status.and_then(|s| s.addresses).unwrap_or_default().into_iter().map(|a| a.address).collect(),
-        })
+        .map(NodeView::of)
         .collect();
     let found = crate::whatif::judge(&change, &servicecidrs, &services, &nodes).map_err(anyhow::Error::msg)?;
     match args.output {

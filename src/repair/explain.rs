@@ -19,7 +19,7 @@ use kube::api::{Api, ListParams};
 use serde::Serialize;
 
 use super::decide::{decide, Config, Finding, LeakCounts, Mode, RecordView, Records, ServiceView, DEFAULT_GRACE};
-use super::{record_view, service_view, servicecidr_ranges, RepairError, Target};
+use super::{record_view, service_view, RepairError, Target};
 use crate::cidr::{self, ServiceCidr};
 use crate::k8s::ipaddress::KUBE_APISERVER_MANAGER;
 use crate::store::ipaddress::blocks::{ADDRESSES_ANNOTATION, BLOCK_LABEL};
@@ -128,24 +128,10 @@ pub async fn explain(client: &kube::Client, target: &Target, ip: IpAddr, namespa
             let owner = store.owner(ip).await?;
             (store.ranges(), Mode::Etcd, "etcd", Some(MapFact { allocated, owner: owner.as_ref().map(ParentRef::to_string) }))
         }
-        Target::IpAddress { manager, ranges, use_servicecidrs } => {
-            let mut ranges = ranges.clone();
-            if *use_servicecidrs {
-                for c in servicecidr_ranges(client).await? {
-                    if !ranges.contains(&c) {
-                        ranges.push(c);
-                    }
-                }
-            }
-            (ranges, Mode::IpAddress { manager: manager.clone() }, "ipaddress", None)
-        }
-        Target::Audit => (servicecidr_ranges(client).await?, Mode::Audit { manager: KUBE_APISERVER_MANAGER.into() }, "kube-apiserver", None),
+        Target::IpAddress { manager, ranges, .. } => (ranges.clone(), Mode::IpAddress { manager: manager.clone() }, "ipaddress", None),
+        Target::Audit => (Vec::new(), Mode::Audit { manager: KUBE_APISERVER_MANAGER.into() }, "kube-apiserver", None),
     };
-    let cluster_ranges = match servicecidr_ranges(client).await {
-        Ok(c) => Some(c),
-        Err(RepairError::List { source: kube::Error::Api(s), .. }) if s.code == 404 || s.code == 403 => None,
-        Err(e) => return Err(e),
-    };
+    let (ranges, cluster_ranges) = target.ranges(client, ranges).await?;
     let services = holders(client, ip, object.as_ref()).await?;
     let block = match (backend, namespace) {
         ("ipaddress", Some(ns)) => block_of(client, ns, ip).await?,

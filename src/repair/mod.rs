@@ -58,6 +58,35 @@ pub enum Target {
     Audit,
 }
 
+impl Target {
+    /// The ranges judged — `own` (the backend's), with the cluster's ServiceCIDR ranges
+    /// after them when the target follows those (`--use-servicecidrs`), or those alone (the
+    /// audit) — and the cluster's ServiceCIDR ranges, None when that API is not served or
+    /// not granted (a target that needs them fails instead). One list of the ServiceCIDRs.
+    pub async fn ranges(&self, client: &kube::Client, own: Vec<ServiceCidr>) -> Result<(Vec<ServiceCidr>, Option<Vec<ServiceCidr>>), RepairError> {
+        let needs = matches!(self, Target::Audit | Target::IpAddress { use_servicecidrs: true, .. });
+        let cluster = match servicecidr_ranges(client).await {
+            Ok(c) => Some(c),
+            Err(RepairError::List { source: kube::Error::Api(s), .. }) if !needs && (s.code == 404 || s.code == 403) => None,
+            Err(e) => return Err(e),
+        };
+        let ranges = match self {
+            Target::Audit => cluster.clone().unwrap_or_default(),
+            Target::IpAddress { use_servicecidrs: true, .. } => {
+                let mut ranges = own;
+                for c in cluster.iter().flatten() {
+                    if !ranges.contains(c) {
+                        ranges.push(c.clone());
+                    }
+                }
+                ranges
+            }
+            _ => own,
+        };
+        Ok((ranges, cluster))
+    }
+}
+
 /// What happened to one finding.
 #[derive(Clone, Debug)]
 pub enum Outcome {
@@ -193,32 +222,16 @@ impl Repairer {
                 progress("records", all.len());
                 (Records::Map(all), store.ranges(), Mode::Etcd, BackendKind::Etcd.as_str())
             }
-            Target::IpAddress { manager, ranges, use_servicecidrs } => {
+            Target::IpAddress { manager, ranges, .. } => {
                 let objects = list_ipaddresses(&self.client, progress).await?;
-                let mut ranges = ranges.clone();
-                if *use_servicecidrs {
-                    for c in servicecidr_ranges(&self.client).await? {
-                        if !ranges.contains(&c) {
-                            ranges.push(c);
-                        }
-                    }
-                }
-                (Records::Objects(objects), ranges, Mode::IpAddress { manager: manager.clone() }, BackendKind::Ipaddress.as_str())
+                (Records::Objects(objects), ranges.clone(), Mode::IpAddress { manager: manager.clone() }, BackendKind::Ipaddress.as_str())
             }
             Target::Audit => {
                 let objects = list_ipaddresses(&self.client, progress).await?;
-                let ranges = servicecidr_ranges(&self.client).await?;
-                (Records::Objects(objects), ranges, Mode::Audit { manager: KUBE_APISERVER_MANAGER.into() }, "kube-apiserver")
+                (Records::Objects(objects), Vec::new(), Mode::Audit { manager: KUBE_APISERVER_MANAGER.into() }, "kube-apiserver")
             }
         };
-        let cluster_ranges = match &self.target {
-            Target::Audit => Some(ranges.clone()),
-            _ => match servicecidr_ranges(&self.client).await {
-                Ok(c) => Some(c),
-                Err(RepairError::List { source: kube::Error::Api(s), .. }) if s.code == 404 || s.code == 403 => None,
-                Err(e) => return Err(e),
-            },
-        };
+        let (ranges, cluster_ranges) = self.target.ranges(&self.client, ranges).await?;
         let services = list_services(&self.client, progress).await?;
         let cfg = Config { ranges: ranges.clone(), cluster_ranges, mode, grace: self.grace, release_leaks_now };
         let mut report = decide(&cfg, &services, &records, &mut self.leaks);

@@ -30,18 +30,6 @@ fn ranges_of(sc: Option<&ServiceCIDR>) -> Vec<String> {
     sc.and_then(|s| s.spec.as_ref()).and_then(|s| s.cidrs.clone()).unwrap_or_default()
 }
 
-/// The nodes as the judgement needs them.
-pub fn node_views(nodes: Vec<Node>) -> Vec<NodeView> {
-    nodes
-        .into_iter()
-        .map(|n| NodeView {
-            name: n.metadata.name.unwrap_or_default(),
-            pod_cidrs: n.spec.as_ref().and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c]))).unwrap_or_default(),
-            addresses: n.status.and_then(|s| s.addresses).unwrap_or_default().into_iter().map(|a| a.address).collect(),
-        })
-        .collect()
-}
-
 /// The answer to one ServiceCIDR admission, given how the Nodes read.
 pub fn decide(req: &AdmissionRequest<ServiceCIDR>, nodes: Result<Vec<NodeView>, String>) -> AdmissionResponse {
     if !matches!(req.operation, Operation::Create | Operation::Update) {
@@ -97,7 +85,7 @@ pub async fn validate(nodes: Option<&Api<Node>>, req: &AdmissionRequest<ServiceC
     let read = match nodes {
         None => Ok(Vec::new()),
         Some(api) => match tokio::time::timeout(NODES_WITHIN, api.list(&ListParams::default())).await {
-            Ok(Ok(list)) => Ok(node_views(list.items)),
+            Ok(Ok(list)) => Ok(list.items.into_iter().map(NodeView::of).collect()),
             Ok(Err(e)) => Err(format!("listing Nodes: {e}")),
             Err(_) => Err(format!("listing Nodes: no answer within {NODES_WITHIN:?}")),
         },

@@ -97,6 +97,82 @@ async fn v4_keys(cp: &clusterip_test_support::ControlPlane, prefix: &str) -> BTr
         .collect()
 }
 
+/// What a create returned, by the Service's name.
+type Created = Vec<(String, Result<k8s_openapi::api::core::v1::Service, kube::Error>)>;
+
+/// Services `svc-<i>` created one after another on a task of their own, each kept.
+struct Load {
+    done: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<Created>,
+}
+
+impl Load {
+    fn start(api: Api<k8s_openapi::api::core::v1::Service>, creates: usize) -> Load {
+        let done = Arc::new(AtomicUsize::new(0));
+        let counted = done.clone();
+        let task = tokio::spawn(async move {
+            let mut results = Vec::new();
+            for i in 0..creates {
+                let r = api.create(&PostParams::default(), &service(&format!("svc-{i}"), |_| {})).await;
+                results.push((format!("svc-{i}"), r));
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+            results
+        });
+        Load { done, task }
+    }
+
+    /// Creates answered so far.
+    fn done(&self) -> usize {
+        self.done.load(Ordering::SeqCst)
+    }
+
+    async fn reached(&self, what: &str, n: usize) {
+        let done = &self.done;
+        eventually(what, Duration::from_secs(300), move || async move { done.load(Ordering::SeqCst) >= n }).await;
+    }
+
+    async fn results(self) -> Created {
+        self.task.await.expect("the load task")
+    }
+}
+
+/// The rolling update of replicas 0 and 1 to two replicas of `ranges`, paced by the load: at
+/// a fifth of the creates the first new replica joins the routes; at two fifths replica 0
+/// leaves them and stops (SIGTERM, as a Deployment's rollout); at three fifths the second
+/// new replica joins and replica 1 leaves and stops. Returns the new replicas.
+async fn roll(wh: &mut Webhook, cp: &clusterip_test_support::ControlPlane, load: &Load, creates: usize, ranges: &[String]) -> (usize, usize) {
+    let step = creates / 5;
+    load.reached("the first fifth of the creates", step).await;
+    let a = wh.add_replica(cp, ranges).await;
+    wh.route_only(&[0, 1, a]).await;
+    load.reached("the second fifth", 2 * step).await;
+    wh.route_only(&[1, a]).await;
+    stop(wh, 0);
+    load.reached("the third fifth", 3 * step).await;
+    let b = wh.add_replica(cp, ranges).await;
+    wh.route_only(&[a, b]).await;
+    stop(wh, 1);
+    (a, b)
+}
+
+/// Every create succeeded but for requests the harness's proxy had in flight on a connection
+/// it cut when the routes changed (`Webhook::route_only`; four changes, the apiserver reports
+/// "failed calling webhook …" with its transport's words: "EOF", "http2: client connection
+/// force closed via ClientConn.Close", …), which is the proxy's doing, not a refusal — at most
+/// two per route change. Returns how many it cut.
+fn proxy_cuts(results: &Created, creates: usize, during: &str) -> usize {
+    let cut = |e: &kube::Error| {
+        matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains("failed calling webhook")
+            && ["EOF", "broken pipe", "connection reset", "client connection force closed", "client connection lost"].iter().any(|t| s.message.contains(t)))
+    };
+    let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().filter(|e| !cut(e)).map(|e| format!("{n}: {e}"))).collect();
+    assert!(failed.is_empty(), "{} of {creates} creates failed{during}: {:?}", failed.len(), &failed[..failed.len().min(10)]);
+    let cuts = results.iter().filter(|(_, r)| r.is_err()).count();
+    assert!(cuts <= 8, "{cuts} creates lost to the proxy's cuts: more than two per route change");
+    cuts
+}
+
 /// A widen /22 → /21 as a rolling update: two replicas of the /22 (half of the slice's /21)
 /// with 50 Gateway-owned addresses in its dynamic band (ipaddress backend: IPAddress
 /// objects naming the Gateway, as a Gateway controller writes them; etcd backend: owner
@@ -129,53 +205,10 @@ async fn rolling_widen(backend: &str, slice: Slice) {
     record_gateways(&wh, &cp, backend, &gateways).await;
 
     // The load: creates one after another, each Service kept.
-    let done = Arc::new(AtomicUsize::new(0));
-    let load = {
-        let (api, done) = (wh.services(), done.clone());
-        tokio::spawn(async move {
-            let mut results = Vec::new();
-            for i in 0..creates {
-                let r = api.create(&PostParams::default(), &service(&format!("svc-{i}"), |_| {})).await;
-                results.push((format!("svc-{i}"), r));
-                done.fetch_add(1, Ordering::SeqCst);
-            }
-            results
-        })
-    };
-    let reached = |n: usize| {
-        let done = done.clone();
-        move || {
-            let done = done.clone();
-            async move { done.load(Ordering::SeqCst) >= n }
-        }
-    };
-    let new_ranges = vec![new.to_string(), slice.v6()];
-    let step = creates / 5;
-    eventually("the first fifth of the creates", Duration::from_secs(300), reached(step)).await;
-    let a = wh.add_replica(&cp, &new_ranges).await;
-    wh.route_only(&[0, 1, a]).await;
-    eventually("the second fifth", Duration::from_secs(300), reached(2 * step)).await;
-    wh.route_only(&[1, a]).await;
-    stop(&mut wh, 0);
-    eventually("the third fifth", Duration::from_secs(300), reached(3 * step)).await;
-    let b = wh.add_replica(&cp, &new_ranges).await;
-    wh.route_only(&[a, b]).await;
-    stop(&mut wh, 1);
-    let results = load.await.expect("the load task");
-
-    // Every create succeeded, each with an address of its own in the new range — but for a
-    // request the harness's proxy had in flight on a connection it cut when the routes
-    // changed (`Webhook::route_only`; four changes, the apiserver reports "failed calling
-    // webhook …" with its transport's words: "EOF", "http2: client connection force closed
-    // via ClientConn.Close", …), which is the proxy's doing, not a refusal.
-    let cut = |e: &kube::Error| {
-        matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains("failed calling webhook")
-            && ["EOF", "broken pipe", "connection reset", "client connection force closed", "client connection lost"].iter().any(|t| s.message.contains(t)))
-    };
-    let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().filter(|e| !cut(e)).map(|e| format!("{n}: {e}"))).collect();
-    assert!(failed.is_empty(), "{} of {creates} creates failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
-    let cuts = results.iter().filter(|(_, r)| r.is_err()).count();
-    assert!(cuts <= 8, "{cuts} creates lost to the proxy's cuts: more than two per route change");
+    let load = Load::start(wh.services(), creates);
+    roll(&mut wh, &cp, &load, creates, &[new.to_string(), slice.v6()]).await;
+    let results = load.results().await;
+    let cuts = proxy_cuts(&results, creates, "");
     let mut owners: BTreeMap<IpAddr, Vec<String>> = BTreeMap::new();
     for (name, r) in &results {
         let Ok(svc) = r else { continue };
@@ -359,48 +392,11 @@ async fn rolling_move(backend: &str) {
     }
 
     // Add B, first, while Services are created.
-    let done = Arc::new(AtomicUsize::new(0));
-    let load = {
-        let (api, done) = (api.clone(), done.clone());
-        tokio::spawn(async move {
-            let mut results = Vec::new();
-            for i in 0..creates {
-                let r = api.create(&PostParams::default(), &service(&format!("svc-{i}"), |_| {})).await;
-                results.push((format!("svc-{i}"), r));
-                done.fetch_add(1, Ordering::SeqCst);
-            }
-            results
-        })
-    };
-    let reached = |n: usize| {
-        let done = done.clone();
-        move || {
-            let done = done.clone();
-            async move { done.load(Ordering::SeqCst) >= n }
-        }
-    };
-    let added = vec![b_range.to_string(), a_range.to_string(), slice.v6()];
-    let step = creates / 5;
-    eventually("the first fifth of the creates", Duration::from_secs(300), reached(step)).await;
-    let n1 = wh.add_replica(&cp, &added).await;
-    wh.route_only(&[0, 1, n1]).await;
-    eventually("the second fifth", Duration::from_secs(300), reached(2 * step)).await;
-    wh.route_only(&[1, n1]).await;
-    stop(&mut wh, 0);
-    eventually("the third fifth", Duration::from_secs(300), reached(3 * step)).await;
-    let n2 = wh.add_replica(&cp, &added).await;
-    wh.route_only(&[n1, n2]).await;
-    stop(&mut wh, 1);
-    let only_new_from = done.load(Ordering::SeqCst);
-    let results = load.await.expect("the load task");
-    let cut = |e: &kube::Error| {
-        matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains("failed calling webhook")
-            && ["EOF", "broken pipe", "connection reset", "client connection force closed", "client connection lost"].iter().any(|t| s.message.contains(t)))
-    };
-    let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().filter(|e| !cut(e)).map(|e| format!("{n}: {e}"))).collect();
-    assert!(failed.is_empty(), "{} of {creates} creates failed during the add: {:?}", failed.len(), &failed[..failed.len().min(10)]);
-    let cuts = results.iter().filter(|(_, r)| r.is_err()).count();
-    assert!(cuts <= 8, "{cuts} creates lost to the proxy's cuts: more than two per route change");
+    let load = Load::start(api.clone(), creates);
+    let (n1, n2) = roll(&mut wh, &cp, &load, creates, &[b_range.to_string(), a_range.to_string(), slice.v6()]).await;
+    let only_new_from = load.done();
+    let results = load.results().await;
+    let cuts = proxy_cuts(&results, creates, " during the add");
     for (i, (name, r)) in results.iter().enumerate() {
         let Ok(svc) = r else { continue };
         let ip = v4(svc);

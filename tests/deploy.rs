@@ -335,13 +335,13 @@ fn deploy_tree_passes_a_server_side_dry_run() {
     let dir = mount["mountPath"].as_str().expect("mountPath");
     assert!(args.contains(&format!("--client-ca-file={dir}/ca.crt")), "{args:?}");
     assert!(args.contains(&format!("--allowed-client-names={CLIENT_NAME}")), "the name the script's client certificate carries: {args:?}");
-    // The shutdown drain fits in the grace period.
+    // The shutdown drain and the settling of the replica's answers fit in the grace period.
     let flag = |name: &str| -> u64 {
         let v = args.iter().find_map(|a| a.strip_prefix(&format!("--{name}="))).unwrap_or_else(|| panic!("--{name} not set: {args:?}"));
         v.strip_suffix('s').and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("--{name}={v}: want whole seconds"))
     };
     let grace = pod["terminationGracePeriodSeconds"].as_u64().expect("terminationGracePeriodSeconds");
-    assert!(flag("shutdown-delay-duration") + flag("shutdown-drain-timeout") + 5 <= grace, "delay + drain + 5 s > {grace} s: {args:?}");
+    assert!(flag("shutdown-delay-duration") + flag("shutdown-drain-timeout") + flag("in-flight-limit") + 5 <= grace, "delay + drain + in-flight limit + 5 s > {grace} s: {args:?}");
 
     // The NetworkPolicy: on the controller pods, ingress only; the webhook and health-probe
     // ports only from address blocks without the pod network (the kube-apiserver and the

@@ -385,12 +385,14 @@ async fn slow_clients_are_disconnected_while_others_are_served() {
 
 /// SIGTERM while admissions stream in: /readyz turns 503 at once while requests are still
 /// answered, then the listener closes, a request that was in flight across all of it is
-/// answered, the address pool is returned and the process exits 0.
+/// answered, the answers no kube-apiserver will record (reviews posted straight to the
+/// webhook) are released once past the in-flight limit (10 s here), the address pool is
+/// returned and the process exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_readyz_503_requests_in_flight_answered_exit_0() {
     let cp = control_plane();
     let (crt, key) = serving_cert(&cp);
-    let (mut c, _) = start(&cp, &crt, &key, &["--shutdown-delay-duration", "10s", "--shutdown-drain-timeout", "60s", "--webhook-read-timeout", "120s"]);
+    let (mut c, _) = start(&cp, &crt, &key, &["--shutdown-delay-duration", "10s", "--shutdown-drain-timeout", "60s", "--webhook-read-timeout", "120s", "--apiserver-request-timeout", "5s", "--in-flight-limit", "10s"]);
     let port = c.webhook_port;
     let connector = tls_client(&cp);
 
@@ -465,6 +467,8 @@ async fn sigterm_drains_readyz_503_requests_in_flight_answered_exit_0() {
     let log = c.log();
     assert!(log.contains("returned the address pool"), "{log}");
     assert!(log.contains("all connections finished"), "{log}");
+    // The two mutations ("in-flight", "delay"), never recorded, released before the exit.
+    assert!(log.contains("answers settled") && log.contains("released=2"), "{log}");
 }
 
 /// The soft RLIMIT_NOFILE of `pid`, set to `soft` when given; the previous value.

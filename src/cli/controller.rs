@@ -137,8 +137,8 @@ pub struct ControllerArgs {
 
     /// After the shutdown delay, how long requests in flight may take to finish (new
     /// connections are refused by then); what is still open afterwards is closed. The
-    /// address pool is returned to etcd after that. Keep delay + drain well inside the pod's
-    /// terminationGracePeriodSeconds. E.g. 15s.
+    /// replica then settles its answers (see --in-flight-limit) and returns the address pool
+    /// or blocks. E.g. 15s.
     #[arg(long, default_value = "15s", value_parser = clusterip_component_base::parse_duration)]
     pub shutdown_drain_timeout: std::time::Duration,
 
@@ -147,7 +147,9 @@ pub struct ControllerArgs {
     /// admission plugin, a quota) frees its address at once, when the apiserver releases its
     /// own record of it; this limit covers what never gets that far (a later mutating
     /// webhook refused the request). Must exceed the apiserver's --request-timeout (60s by
-    /// default), e.g. 90s.
+    /// default), e.g. 90s. On SIGTERM, after the drain, the replica waits up to this long
+    /// for its own answers to settle (no wait when every one was stored): keep delay + drain
+    /// + this inside the pod's terminationGracePeriodSeconds.
     #[arg(long, default_value = "90s", value_parser = parse_timeout)]
     pub in_flight_limit: std::time::Duration,
 
@@ -273,7 +275,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let backend = args.backend.build(Role::Controller(replica_backend(&args, &client, &recorded, &identity))).await?;
     let store = backend.metered(metrics.clone());
     let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit).with_metrics(metrics.clone()));
-    let _admission_tasks = settle_answers(&admission, &recorded, args.in_flight_limit);
+    let [_follow_records, periodic_sweep] = settle_answers(&admission, &recorded, args.in_flight_limit);
+    let answers = admission.clone();
 
     let listeners = Listeners::bind(&args).await?;
     let ranges: Vec<String> = store.ranges().iter().map(|c| c.to_string()).collect();
@@ -339,6 +342,21 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     match tokio::time::timeout(args.shutdown_drain_timeout + margin, &mut web).await {
         Ok(_) => info!("webhook stopped"),
         Err(_) => tracing::warn!("the webhook thread did not stop within the drain timeout; exiting anyway"),
+    }
+    // Settle what this replica answered (nothing new is answered now): an answer whose
+    // request failed holds its address until we release it, else until the repair pass.
+    // Bounded by --in-flight-limit; a second signal cuts it short.
+    periodic_sweep.abort();
+    let _ = periodic_sweep.await;
+    if answers.in_flight() > 0 {
+        info!(answers = answers.in_flight(), limit = ?args.in_flight_limit, "settling this replica's answers before exit: each until its Service is stored, its create fails, or it is past the in-flight limit");
+        tokio::select! {
+            settled = answers.settle_before_exit() => match settled.waiting {
+                0 => info!(settled = settled.settled, released = settled.released.len(), "answers settled"),
+                left => tracing::warn!(settled = settled.settled, released = settled.released.len(), left, "answers left unsettled at exit: the repair pass releases any whose request failed"),
+            },
+            which = signals.next() => tracing::warn!(signal = which, left = answers.in_flight(), "signalled again: exiting with answers unsettled (the repair pass releases any whose request failed)"),
+        }
     }
     // Hand back what was held ahead of need (the etcd backend's address pool, the address
     // blocks), so it is free at once instead of after its lease and the repair pass.

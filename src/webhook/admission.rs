@@ -462,6 +462,44 @@ impl Admission {
         result
     }
 
+    /// Settle every answer of this replica before it exits, its webhook stopped (so nothing
+    /// new is answered): an answer whose Service is stored holding it (read from storage) is
+    /// settled for good;
+    /// one whose create failed is released as [`Self::follow_records`] sees the apiserver
+    /// drop its record; one never recorded is released once past the in-flight limit, as
+    /// [`Self::sweep_in_flight`] does while serving. Returns when none is left, or after
+    /// the limit (every answer is older than it then). Left behind, an answer whose request
+    /// failed would hold its address until the repair pass — minutes, three passes, with
+    /// the etcd backend's map. The periodic sweep must not run meanwhile (one sweeper
+    /// at a time releases an address once).
+    pub async fn settle_before_exit(&self) -> SweepResult {
+        use futures::StreamExt;
+        let deadline = Instant::now() + self.in_flight_limit + Duration::from_secs(1);
+        let mut total = SweepResult::default();
+        loop {
+            let answers: Vec<(IpAddr, InFlight)> = lock(&self.in_flight).iter().map(|(ip, e)| (*ip, e.clone())).collect();
+            let stored: Vec<(IpAddr, InFlight)> = futures::stream::iter(answers)
+                .map(|(ip, entry)| async move { matches!(self.held_by_service(ip, &entry.parent).await, Ok(true)).then_some((ip, entry)) })
+                .buffer_unordered(DELETIONS_JUDGED_AT_ONCE)
+                .filter_map(|x| async move { x })
+                .collect()
+                .await;
+            for (ip, entry) in stored {
+                self.forget_if_unchanged(ip, &entry);
+                total.settled += 1;
+            }
+            let swept = self.sweep_in_flight().await;
+            total.settled += swept.settled;
+            total.released.extend(swept.released);
+            if self.in_flight() == 0 || Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        total.waiting = self.in_flight();
+        total
+    }
+
     /// A dynamic address that no IPAddress object holds yet. Candidates the cluster already
     /// records stay reserved in our store (they are taken) and the next one is tried.
     async fn allocate_dynamic(&self, family: Family, parent: &ParentRef) -> Result<IpAddr, StoreError> {
@@ -848,6 +886,25 @@ mod tests {
         let swept = adm.sweep_in_flight().await;
         assert_eq!((swept.released.len(), swept.waiting), (0, 1), "{swept:?}");
         assert!(store.has(ip).await.expect("has"));
+    }
+
+    #[tokio::test]
+    async fn before_exit_an_unrecorded_answer_is_released_once_past_the_limit_and_no_later() {
+        let limit = std::time::Duration::from_secs(1);
+        let (adm, store) = admission_recording(&[]);
+        let adm = adm.with_in_flight_limit(limit);
+        let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
+        let ip: IpAddr = value(&patched(&resp), "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
+        let started = Instant::now();
+        let settled = adm.settle_before_exit().await;
+        assert!(started.elapsed() >= limit / 2, "released after {:?}, before the limit {limit:?} could pass", started.elapsed());
+        assert_eq!((settled.released, settled.waiting), (vec![ip], 0));
+        assert!(!store.has(ip).await.expect("has"), "an answer never recorded still held after the exit settle");
+        // Nothing answered: nothing to wait for.
+        let (adm, _) = admission_recording(&[]);
+        let started = Instant::now();
+        assert_eq!(adm.with_in_flight_limit(std::time::Duration::from_secs(3600)).settle_before_exit().await, SweepResult::default());
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
     }
 
     #[tokio::test]

@@ -81,3 +81,92 @@ async fn etcd_backend_a_deleted_record_of_a_live_service_is_not_released() {
 async fn ipaddress_backend_a_deleted_record_of_a_live_service_is_not_released() {
     a_deleted_record_of_a_live_service_is_not_released("ipaddress", Slice(15)).await;
 }
+
+/// A replica stopped (SIGTERM) with an answer the kube-apiserver never recorded — a later
+/// mutating webhook refused the create, as a request cut between the apiserver and us ends —
+/// releases it before it exits (docs/operations.md, "Shutdown"). Before, the answer was
+/// abandoned: the etcd backend's map held the address until the leader's repair pass
+/// released it on its third pass (minutes), and the ipaddress backend's block Lease was not
+/// given back (a pick in flight) but left for another replica to take over after the lease
+/// duration. The range is a /28 of slice 0 that no other test uses.
+async fn a_stopping_replica_releases_an_answer_never_recorded(backend: &str, range: &str) {
+    use clusterip::cidr::ServiceCidr;
+    use clusterip::store::AllocationStore;
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use std::time::Duration;
+    let cp = control_plane();
+    let cidr = ServiceCidr::parse(range).expect("range");
+    let mut wh = Webhook::start_with(&cp, backend, Slice(0), |h| {
+        h.ranges = vec![range.to_string()];
+        h.flags(&["--in-flight-limit", "20s", "--apiserver-request-timeout", "5s"]);
+    })
+    .await;
+    let api = wh.services();
+
+    // A mutating webhook after ours (configurations are called in name order) that cannot be
+    // reached, for Services labelled refuse=yes: the create fails after our answer, before
+    // the apiserver's own allocation records anything.
+    let refusing = format!("{}-zz-refuse", wh.name);
+    let config: MutatingWebhookConfiguration = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": refusing},
+        "webhooks": [{"name": "refuse.clusterip.test", "clientConfig": {"url": "https://127.0.0.1:1/refuse"},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["services"], "scope": "Namespaced"}],
+            "namespaceSelector": {"matchLabels": {"clusterip.allocator/e2e": wh.name}},
+            "objectSelector": {"matchLabels": {"refuse": "yes"}},
+            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 5}]
+    }))
+    .expect("refusing configuration");
+    let configs: Api<MutatingWebhookConfiguration> = Api::all(wh.client.clone());
+    configs.create(&PostParams::default(), &config).await.expect("register the refusing webhook");
+    let mut refused = service("refused", |_| {});
+    refused.metadata.labels = Some([("refuse".to_string(), "yes".to_string())].into());
+    let (api_ref, refused_ref) = (&api, &refused);
+    // Until the apiserver has loaded the configuration, the create succeeds: undone and tried again.
+    clusterip_test_support::eventually_ok("a create refused by the webhook after ours", Duration::from_secs(60), Duration::from_millis(500), move || async move {
+        match api_ref.create(&PostParams::default(), refused_ref).await {
+            Err(kube::Error::Api(e)) if e.message.contains("refuse.clusterip.test") => Ok(()),
+            Ok(_) => {
+                api_ref.delete("refused", &DeleteParams::default()).await.map_err(|e| format!("delete the created one: {e}"))?;
+                Err("created: the refusing webhook is not loaded yet".to_string())
+            }
+            Err(e) => Err(format!("create failed otherwise: {e}")),
+        }
+    })
+    .await;
+    let answered = wh.children[0].log().matches("assigned ClusterIPs service=services/").count();
+    assert!(answered >= 1, "no answer in the replica's log:\n{}", wh.children[0].log());
+
+    // What the answer holds until the replica stops.
+    let leases: Api<Lease> = Api::namespaced(wh.client.clone(), "default");
+    async fn held(wh: &Webhook, cp: &clusterip_test_support::ControlPlane, backend: &str, cidr: &ServiceCidr, leases: &Api<Lease>) -> usize {
+        match backend {
+            "etcd" => {
+                let store = wh.records_of(cp, vec![cidr.clone()]).await.expect("open the records");
+                let held = store.allocated().await.expect("read the map");
+                let _ = store.close().await;
+                held.len()
+            }
+            _ => block_leases(leases, cidr).await.len(),
+        }
+    }
+    assert!(held(&wh, &cp, backend, &cidr, &leases).await >= 1, "the answer of the refused create holds nothing before the replica stops");
+
+    wh.children[0].signal(libc::SIGTERM);
+    let status = tokio::task::block_in_place(|| wh.children[0].wait_exit(Duration::from_secs(60)));
+    let log = wh.children[0].log();
+    assert!(status.is_some_and(|s| s.success()), "the replica did not stop cleanly within 60 s: {status:?}\n{log}");
+    assert_eq!(held(&wh, &cp, backend, &cidr, &leases).await, 0, "the refused create's address is still held after the replica stopped ({backend}):\n{log}");
+    assert!(log.contains("answers settled"), "the replica did not settle its answers before exit:\n{log}");
+    let _ = configs.delete(&refusing, &DeleteParams::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_a_stopping_replica_releases_an_answer_never_recorded() {
+    a_stopping_replica_releases_an_answer_never_recorded("etcd", "198.19.0.32/28").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_a_stopping_replica_releases_an_answer_never_recorded() {
+    a_stopping_replica_releases_an_answer_never_recorded("ipaddress", "198.19.0.48/28").await;
+}

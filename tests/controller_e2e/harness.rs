@@ -384,6 +384,17 @@ async fn remove_leftover_blocks(client: &Client, slice: Slice) {
     }
 }
 
+/// Block Leases in `default` naming `range` (ipaddress backend), by name.
+pub async fn block_leases(leases: &Api<k8s_openapi::api::coordination::v1::Lease>, range: &clusterip::cidr::ServiceCidr) -> Vec<String> {
+    use clusterip::store::ipaddress::blocks::{BLOCK_LABEL, RANGE_ANNOTATION};
+    let list = leases.list(&ListParams::default().labels(BLOCK_LABEL)).await.expect("list block Leases");
+    list.items
+        .into_iter()
+        .filter(|l| l.metadata.annotations.as_ref().and_then(|a| a.get(RANGE_ANNOTATION)).is_some_and(|r| *r == range.to_string()))
+        .filter_map(|l| l.metadata.name)
+        .collect()
+}
+
 pub fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Service {
     let mut spec = ServiceSpec { ports: Some(vec![ServicePort { port: 80, ..Default::default() }]), ..Default::default() };
     f(&mut spec);

@@ -411,7 +411,8 @@ start_clusterip-controller() {
 ready_clusterip-controller() { curl -fsS --max-time 2 "http://127.0.0.1:$CONTROLLER_HEALTH_PORT/readyz" 2>/dev/null | grep -q '^ok$'; }
 
 # Point the kube-apiserver at the controller's webhook (failurePolicy Fail: no Service
-# gets an address we did not choose while the webhook is registered).
+# gets an address we did not choose while the webhook is registered), and at its ServiceCIDR
+# check (failurePolicy Ignore, as deploy/webhooks.yaml: a check, not a gate).
 register_webhooks() {
   local ca; ca=$(base64 -w0 < "$state/pki/ca.crt")
   "$repo/scripts/kubectl.sh" --kubeconfig "$state/kubeconfig" apply -f - >/dev/null <<EOF
@@ -441,6 +442,13 @@ webhooks:
   sideEffects: None
   admissionReviewVersions: [v1]
   timeoutSeconds: 10
+- name: validate-servicecidr.clusterip.allocator
+  clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate-servicecidr", caBundle: "$ca"}
+  rules: [{apiGroups: [networking.k8s.io], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [servicecidrs], scope: Cluster}]
+  failurePolicy: Ignore
+  sideEffects: None
+  admissionReviewVersions: [v1]
+  timeoutSeconds: 5
 EOF
 }
 

@@ -46,6 +46,9 @@ pub const CHUNK_BYTES: usize = 64 * 1024;
 pub const FLUSH: Duration = Duration::from_secs(5);
 /// Default retention: chunks kept (64 × 64 KiB = 4 MiB, some 50,000 changes).
 pub const DEFAULT_CHUNKS: usize = 64;
+/// A flush of at least this many lines (a first list, a relist) hands the memory it freed
+/// back to the operating system afterwards.
+const LARGE_BATCH: usize = 10_000;
 
 /// What a line says happened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -339,6 +342,7 @@ pub async fn record(client: kube::Client, namespace: String, keep: usize) {
         loop {
             every.tick().await;
             let batch: Vec<Entry> = std::mem::take(&mut *lock(&pending));
+            let large = batch.len() >= LARGE_BATCH;
             let mut by_shard: BTreeMap<u32, Vec<Entry>> = BTreeMap::new();
             for e in batch {
                 by_shard.entry(shard_of(e.address)).or_default().push(e);
@@ -357,6 +361,11 @@ pub async fn record(client: kube::Client, namespace: String, keep: usize) {
                     *p = lines;
                     p.extend(later);
                 }
+            }
+            if large {
+                // The first list's lines (one per address), the relist and the text built
+                // from them are freed by now; without this glibc keeps them resident.
+                clusterip_component_base::memory::release_freed();
             }
         }
     };

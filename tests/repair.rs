@@ -540,7 +540,7 @@ async fn explain(ip: &str, args: &[String]) -> (i32, Value) {
 /// `clusterip explain` on the etcd backend (198.19.0.64/28): a Service and its map record
 /// agree; a Service the map lacks, and a map record no Service holds, disagree with what
 /// repair does about each; a Gateway's owner record and a free address agree; an address
-/// outside our ranges is in none.
+/// outside our ranges is in none. `clusterip capacity` counts the map's addresses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn explain_tells_who_holds_an_address_and_whether_the_etcd_records_agree() {
     let cp = control_plane();
@@ -592,6 +592,16 @@ async fn explain_tells_who_holds_an_address_and_whether_the_etcd_records_agree()
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("clusterip explain 198.19.0.70 (text):\n{text}");
     assert!(text.contains("verdict    recorded for no owner; the records disagree:") && text.contains("- leak"), "{text}");
+
+    // `clusterip capacity` over the same map: the Service's, the leak's and the Gateway's
+    // addresses used (the unrecorded Service's is not in the map); no history in the test's
+    // namespace, so no rates and no forecast.
+    let run = clusterip_json(&[strs(&["capacity", "--namespace", &ns.name]), args.clone()].concat()).await;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let r = &run.json["ranges"][0];
+    assert_eq!((r["cidr"].as_str(), r["size"].as_u64(), r["used"].as_u64(), r["free"].as_u64()), (Some("198.19.0.64/28"), Some(14), Some(3), Some(11)), "{:#}", run.json);
+    assert_eq!((r["dynamic_band"]["used"].as_u64(), r["static_band"]["size"].as_u64()), (Some(3), Some(0)), "a /28 has no static band: {:#}", run.json);
+    assert!(run.json["history_from"].is_null() && r["days_to_full"].is_null(), "{:#}", run.json);
     drop(store);
     fx.cleanup().await;
 }

@@ -4,9 +4,10 @@
 //! block acquisitions read every IPAddress — or the etcd backend (`CLUSTERIP_SCALE_BACKEND`),
 //! which records every IPAddress it lacks in its map at start. Measured: the time from start to ready, its
 //! memory (VmRSS once ready; VmHWM, the peak, after the answers), the webhook's answer to
-//! new creates (AdmissionReviews posted as the apiserver does, one after another), the
-//! time of `clusterip explain` of one address once the address history holds them all, and
-//! its CPU while idle. A benchmark, not part of the suite:
+//! new creates (AdmissionReviews posted as the apiserver does, one after another), the time
+//! until the address history holds the measured address, its CPU over the next 30 s and its
+//! VmRSS after them, then the time of `clusterip explain` of that address. A benchmark, not
+//! part of the suite:
 //!
 //!   CLUSTERIP_SCALE_SERVICES=50000 cargo test --test scale -- --ignored --nocapture
 //!   CLUSTERIP_SCALE_BACKEND=etcd CLUSTERIP_SCALE_SERVICES=50000 cargo test --test scale -- --ignored --nocapture
@@ -99,6 +100,19 @@ async fn measure(cp: &ControlPlane, backend: &str, services: u64) {
     .map(|()| started_history.elapsed());
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> = kube::Api::namespaced(client.clone(), "default");
     let chunks = cms.list(&kube::api::ListParams::default().labels(clusterip::history::LABEL)).await.map(|l| l.items.len()).unwrap_or(0);
+    let (rss_after, hwm) = memory_mib(c.pid());
+
+    // Idle: CPU over 30 s (the subject here is time itself).
+    let ticks = cpu_ticks(c.pid());
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let idle_cpu = (cpu_ticks(c.pid()) - ticks) as f64 / hz / 30.0 * 100.0;
+    // Memory once the leader's first passes (history, repair) are behind it.
+    let (rss_idle, _) = memory_mib(c.pid());
+
+    // `explain`, on the settled cluster (the leader's first history writes and repair pass,
+    // which load the apiserver, are behind it): 20 times, one after another.
     let mut explain_took = Vec::new();
     let mut holdings = 0;
     for _ in 0..20 {
@@ -108,16 +122,8 @@ async fn measure(cp: &ControlPlane, backend: &str, services: u64) {
         holdings = e.history.map(|h| h.len()).unwrap_or(0);
     }
     explain_took.sort();
-    let (rss_after, hwm) = memory_mib(c.pid());
-
-    // Idle: CPU over 30 s (the subject here is time itself).
-    let ticks = cpu_ticks(c.pid());
-    tokio::time::sleep(Duration::from_secs(30)).await;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let idle_cpu = (cpu_ticks(c.pid()) - ticks) as f64 / hz / 30.0 * 100.0;
     println!(
-        "RESULT scale backend={backend} services={services} ready_s={:.1} rss_ready_mib={rss_ready:.1} rss_after_mib={rss_after:.1} hwm_mib={hwm:.1} mutate_p50_ms={:.2} mutate_p99_ms={:.2} idle_cpu_pct={idle_cpu:.1} history_chunks={chunks} history_written_s={} explain_p50_ms={:.1} explain_max_ms={:.1} explain_holdings={holdings}",
+        "RESULT scale backend={backend} services={services} ready_s={:.1} rss_ready_mib={rss_ready:.1} rss_after_mib={rss_after:.1} rss_idle_mib={rss_idle:.1} hwm_mib={hwm:.1} mutate_p50_ms={:.2} mutate_p99_ms={:.2} idle_cpu_pct={idle_cpu:.1} history_chunks={chunks} history_written_s={} explain_p50_ms={:.1} explain_max_ms={:.1} explain_holdings={holdings}",
         ready.as_secs_f64(),
         percentile(&took, 0.50),
         percentile(&took, 0.99),

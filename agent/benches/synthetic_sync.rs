@@ -72,7 +72,7 @@ fn main() {
         let changes: usize = std::env::var("SYNTHETIC_CHANGES").ok().and_then(|v| v.parse().ok()).unwrap_or(10).max(2);
         // As the agent's sync loop after a full sync; and its next sync comes at least
         // --min-sync-period (1 s) after the previous one.
-        clusterip_agent::sync::release_freed_memory();
+        clusterip_component_base::memory::release_freed();
         std::thread::sleep(std::time::Duration::from_secs(1));
         let mut times = Vec::new();
         let mut netlink = 0;

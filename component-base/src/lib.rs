@@ -6,13 +6,16 @@
 //!   KubeProxyConfiguration) whose fields are the flags, with flags on the command line
 //!   overriding it and every invalid field named at start;
 //! - [`logs`]: `--log-format text|json` and the tracing subscriber;
-//! - [`metrics`]: the `process_*` metrics and `<component>_build_info`.
+//! - [`metrics`]: the `process_*` metrics and `<component>_build_info`;
+//! - [`memory`]: handing memory freed by a burst of work back to the operating system.
 
-#![forbid(unsafe_code)]
+// One function needs unsafe code (memory::release_freed, a libc call); nothing else may.
+#![deny(unsafe_code)]
 
 pub mod config;
 pub mod duration;
 pub mod logs;
+pub mod memory;
 pub mod metrics;
 
 pub use config::{expand_config, ConfigKind};

@@ -5,10 +5,13 @@
 //! - a ServiceCIDR being deleted keeps the finalizer, with `Ready=False`, reason
 //!   `Terminating` and a message that says why, while an address that only it covers is in
 //!   use (an IPAddress object, or a record of ours); otherwise the finalizer is removed once
-//!   10 s have passed since the deletion began (Kubernetes' grace period). The condition
-//!   keeps Kubernetes' words (kube-controller-manager may write it too, and two messages
-//!   would be a write war); which addresses and Services keep the deletion waiting is told
-//!   in a Warning Event on the ServiceCIDR, `ServiceCIDRInUse`, whenever that set changes.
+//!   10 s have passed since the deletion began (Kubernetes' grace period). The Ready
+//!   condition keeps Kubernetes' words (kube-controller-manager may write it too, and two
+//!   messages would be a write war); which addresses and Services keep the deletion waiting
+//!   is told in a condition of our own beside it, [`IN_USE`] (`True`, reason
+//!   `AddressesInUse`, written by a field manager of its own, so neither our Ready writes nor
+//!   kube-controller-manager's server-side applies of Ready touch it), and in a Warning Event
+//!   on the ServiceCIDR, `ServiceCIDRInUse`, whenever that set changes.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -32,6 +35,11 @@ use crate::store::AllocationStore;
 
 pub const FINALIZER: &str = "networking.k8s.io/service-cidr-finalizer";
 pub const FIELD_MANAGER: &str = "clusterip-controller";
+/// The condition naming what keeps a ServiceCIDR's deletion waiting.
+pub const IN_USE: &str = "clusterip.allocator/InUse";
+/// The field manager of [`IN_USE`] (apart from [`FIELD_MANAGER`]'s Ready: a server-side
+/// apply removes what its manager owned and left out).
+const IN_USE_MANAGER: &str = "clusterip-controller-in-use";
 const READY_MESSAGE: &str = "Kubernetes Service CIDR is ready";
 const TERMINATING_MESSAGE: &str = "There are still IPAddresses referencing the ServiceCIDR, please remove them or create a new ServiceCIDR";
 const DELETION_GRACE: Duration = Duration::from_secs(10);
@@ -83,6 +91,31 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
             debug!(servicecidr = %name, "ServiceCIDR changed since it was read; judging the current version instead");
             Ok(())
         }
+        Err(e) => Err(e),
+    }
+}
+
+/// Set [`IN_USE`] to `True` with `message`, unless it says that already.
+async fn set_in_use(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, message: &str) -> Result<(), kube::Error> {
+    let current = sc.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| c.iter().find(|c| c.type_ == IN_USE));
+    if current.is_some_and(|c| c.status == "True" && c.message == message) {
+        return Ok(());
+    }
+    let name = sc.metadata.name.clone().unwrap_or_default();
+    let cond = Condition {
+        type_: IN_USE.into(),
+        status: "True".into(),
+        reason: "AddressesInUse".into(),
+        message: message.into(),
+        last_transition_time: Time(Timestamp::now()),
+        observed_generation: None,
+    };
+    // As in set_ready: decided on this version (a stale copy's write is refused, 409).
+    let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"resourceVersion": sc.metadata.resource_version}, "status": {"conditions": [cond]}});
+    match api.patch_status(&name, &PatchParams::apply(IN_USE_MANAGER).force(), &Patch::Apply(&patch)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
         Err(e) => Err(e),
     }
 }
@@ -140,6 +173,7 @@ async fn reconcile(sc: Arc<ServiceCIDR>, ctx: Arc<Context>) -> Result<Action, Er
         if !used.is_empty() {
             set_ready(&api, &sc, "False", "Terminating", TERMINATING_MESSAGE).await?;
             let note = in_use_note(&used);
+            set_in_use(&api, &sc, &note).await?;
             let changed = crate::sync::lock(&ctx.told).insert(name.clone(), note.clone()).as_ref() != Some(&note);
             if changed {
                 use kube::Resource as _;

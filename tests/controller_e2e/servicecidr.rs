@@ -55,7 +55,7 @@ async fn servicecidr_finalizer_ready_and_terminating() {
     let got = got.expect("still there");
     assert!(has_finalizer(&got), "finalizer removed while an address depends on the ServiceCIDR");
     assert!(ready(&got).unwrap().2.contains("There are still IPAddresses referencing the ServiceCIDR"));
-    // Which address keeps it, and whose, in a Warning Event on the ServiceCIDR (the
+    // Which address keeps it, and whose, in a Warning Event on the ServiceCIDR (the Ready
     // condition keeps Kubernetes' words).
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(wh.client.clone(), "default");
     let (events, name_ref) = (&events, &name);
@@ -68,10 +68,15 @@ async fn servicecidr_finalizer_ready_and_terminating() {
             .ok_or_else(|| "none yet".to_string())
     })
     .await;
-    assert_eq!(
-        note,
-        "Deletion waits for 1 address(es) only this ServiceCIDR covers: 198.18.250.10 (services/default/holder); delete or re-create their Services in another range (clusterip what-if delete-cidr lists them all)"
-    );
+    let expected = "Deletion waits for 1 address(es) only this ServiceCIDR covers: 198.18.250.10 (services/default/holder); delete or re-create their Services in another range (clusterip what-if delete-cidr lists them all)";
+    assert_eq!(note, expected);
+    // The same in a condition of ours beside Ready, which keeps Kubernetes' words.
+    let in_use = |sc: &ServiceCIDR| {
+        sc.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| c.iter().find(|c| c.type_ == "clusterip.allocator/InUse")).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    };
+    let got = poll("InUse", Box::new(move |sc| sc.as_ref().and_then(in_use).is_some())).await.expect("still there");
+    assert_eq!(in_use(&got), Some(("True".to_string(), "AddressesInUse".to_string(), expected.to_string())));
+    assert!(ready(&got).unwrap().2.contains("There are still IPAddresses referencing the ServiceCIDR"), "Ready's message changed: {got:?}");
 
     // Once the address is gone, the finalizer goes and so does the ServiceCIDR.
     addrs.delete("198.18.250.10", &DeleteParams::default()).await.expect("delete IPAddress");

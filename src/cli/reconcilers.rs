@@ -38,7 +38,7 @@ pub struct Reconcilers {
 impl Reconcilers {
     /// Start the reconcilers as one task (abort it to stop them all).
     pub fn start(&self) -> tokio::task::JoinHandle<()> {
-        let cidr_ctx = Arc::new(servicecidrs::Context { client: self.client.clone(), store: self.store.clone(), metrics: self.metrics.clone(), events: self.events.clone(), told: Default::default() });
+        let cidr_ctx = Arc::new(servicecidrs::Context { client: self.client.clone(), store: self.store.clone(), recorded: self.recorded.clone(), metrics: self.metrics.clone(), events: self.events.clone(), told: Default::default() });
         let svc = services::run(self.client.clone(), self.store.clone(), self.recorded.clone(), self.events.clone(), self.metrics.clone());
         let repair = (!self.repair_interval.is_zero()).then(|| {
             let repairer = Repairer::new(self.client.clone(), self.repair_target.clone())

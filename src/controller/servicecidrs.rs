@@ -29,8 +29,9 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::cidr::ServiceCidr;
-use crate::k8s::{self, servicecidr};
+use crate::k8s::servicecidr;
 use crate::metrics::{ControllerLabels, Metrics};
+use crate::store::ipaddress::apiserver_ips::ApiserverIps;
 use crate::store::AllocationStore;
 
 pub const FINALIZER: &str = "networking.k8s.io/service-cidr-finalizer";
@@ -55,6 +56,8 @@ pub enum Error {
 pub struct Context {
     pub client: kube::Client,
     pub store: Arc<dyn AllocationStore>,
+    /// The cluster's IPAddress names (watch-fed).
+    pub recorded: ApiserverIps,
     pub metrics: Arc<Metrics>,
     pub events: crate::controller::events::ServiceEvents,
     /// Per terminating ServiceCIDR, the note of the last `ServiceCIDRInUse` Event posted.
@@ -120,8 +123,12 @@ async fn set_in_use(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, message: &str) -> 
     }
 }
 
-/// Addresses in use that only `sc` covers, each with the parentRef of its IPAddress object
-/// (None: recorded only by us).
+/// Addresses in use that only `sc` covers, in order, the first [`NAMED`] with the parentRef
+/// of their IPAddress object (None: recorded only by us, or not named). Read from the
+/// watch-fed view of IPAddress names and our records, as kube-controller-manager reads its
+/// informer (the deletion grace covers a record the view has not shown yet): a list of
+/// every IPAddress object each time would move tens of MB at 100k Services, every 5 s for as
+/// long as a deletion waits. Only the named ones are read, one GET each.
 async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR]) -> Result<Vec<(IpAddr, Option<String>)>, Error> {
     let mine = servicecidr::ranges(sc);
     let others: Vec<ServiceCidr> = all
@@ -130,19 +137,20 @@ async fn addresses_only_here(ctx: &Context, sc: &ServiceCIDR, all: &[ServiceCIDR
         .flat_map(servicecidr::ranges)
         .collect();
     let only_here = |ip: &IpAddr| mine.iter().any(|c| c.contains(*ip)) && !others.iter().any(|c| c.contains(*ip));
-    let mut used: Vec<(IpAddr, Option<String>)> = Api::<IPAddress>::all(ctx.client.clone())
-        .list(&ListParams::default())
-        .await?
-        .items
-        .iter()
-        .filter_map(|a| Some((k8s::ipaddress::address(a.metadata.name.as_deref()?)?, Some(crate::store::ParentRef::from(&a.spec.parent_ref).to_string()))))
-        .filter(|(ip, _)| only_here(ip))
-        .collect();
-    used.extend(ctx.store.allocated().await?.into_iter().filter(only_here).map(|ip| (ip, None)));
-    // (One per address: the IPAddress's parent before our bare record.)
-    used.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.is_some().cmp(&a.1.is_some())));
-    used.dedup_by_key(|(ip, _)| *ip);
-    Ok(used)
+    let mut used: Vec<IpAddr> = ctx.recorded.view().iter().copied().filter(only_here).collect();
+    used.extend(ctx.store.allocated().await?.into_iter().filter(only_here));
+    used.sort();
+    used.dedup();
+    let records = Api::<IPAddress>::all(ctx.client.clone());
+    let mut named = Vec::with_capacity(used.len());
+    for (i, ip) in used.into_iter().enumerate() {
+        let parent = match i < NAMED {
+            true => records.get_opt(&ip.to_string()).await?.map(|a| crate::store::ParentRef::from(&a.spec.parent_ref).to_string()),
+            false => None,
+        };
+        named.push((ip, parent));
+    }
+    Ok(named)
 }
 
 /// The note of a `ServiceCIDRInUse` Event: how many addresses keep the deletion waiting and

@@ -464,14 +464,13 @@ impl Admission {
 
     /// Settle every answer of this replica before it exits, its webhook stopped (so nothing
     /// new is answered): an answer whose Service is stored holding it (read from storage) is
-    /// settled for good;
-    /// one whose create failed is released as [`Self::follow_records`] sees the apiserver
-    /// drop its record; one never recorded is released once past the in-flight limit, as
-    /// [`Self::sweep_in_flight`] does while serving. Returns when none is left, or after
-    /// the limit (every answer is older than it then). Left behind, an answer whose request
-    /// failed would hold its address until the repair pass — minutes, three passes, with
-    /// the etcd backend's map. The periodic sweep must not run meanwhile (one sweeper
-    /// at a time releases an address once).
+    /// settled for good; one whose create failed is released as [`Self::follow_records`]
+    /// sees the apiserver drop its record; one never recorded is released once past the
+    /// in-flight limit, as [`Self::sweep_in_flight`] does while serving. Returns when none
+    /// is left, or after the limit (every answer is older than it then). Left behind, an
+    /// answer whose request failed would hold its address until the repair pass — minutes,
+    /// three passes, with the etcd backend's map. The periodic sweep must not run meanwhile
+    /// (one sweeper at a time releases an address once).
     pub async fn settle_before_exit(&self) -> SweepResult {
         use futures::StreamExt;
         let deadline = Instant::now() + self.in_flight_limit + Duration::from_secs(1);

@@ -67,15 +67,16 @@ pub struct Context {
 /// How many of the addresses that keep a deletion waiting an Event names.
 const NAMED: usize = 10;
 
-async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
-    if let Some(c) = servicecidr::ready_condition(sc) {
-        if c.status == status && c.reason == reason && c.message == message {
-            return Ok(());
-        }
+/// Set the condition `type_` of `sc` as `manager` (a server-side apply of that one
+/// condition), unless it says that already.
+#[allow(clippy::too_many_arguments)]
+async fn set_condition(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, manager: &str, type_: &str, status: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
+    if servicecidr::condition(sc, type_).is_some_and(|c| c.status == status && c.reason == reason && c.message == message) {
+        return Ok(());
     }
     let name = sc.metadata.name.clone().unwrap_or_default();
     let cond = Condition {
-        type_: servicecidr::READY.into(),
+        type_: type_.into(),
         status: status.into(),
         reason: reason.into(),
         message: message.into(),
@@ -88,7 +89,7 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
     // rewriting the object; the watch then brings the current one, which needs nothing.
     let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
         "metadata": {"resourceVersion": sc.metadata.resource_version}, "status": {"conditions": [cond]}});
-    match api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await {
+    match api.patch_status(&name, &PatchParams::apply(manager).force(), &Patch::Apply(&patch)).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 409 => {
             debug!(servicecidr = %name, "ServiceCIDR changed since it was read; judging the current version instead");
@@ -98,29 +99,13 @@ async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reaso
     }
 }
 
+async fn set_ready(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, status: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
+    set_condition(api, sc, FIELD_MANAGER, servicecidr::READY, status, reason, message).await
+}
+
 /// Set [`IN_USE`] to `True` with `message`, unless it says that already.
 async fn set_in_use(api: &Api<ServiceCIDR>, sc: &ServiceCIDR, message: &str) -> Result<(), kube::Error> {
-    let current = sc.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| c.iter().find(|c| c.type_ == IN_USE));
-    if current.is_some_and(|c| c.status == "True" && c.message == message) {
-        return Ok(());
-    }
-    let name = sc.metadata.name.clone().unwrap_or_default();
-    let cond = Condition {
-        type_: IN_USE.into(),
-        status: "True".into(),
-        reason: "AddressesInUse".into(),
-        message: message.into(),
-        last_transition_time: Time(Timestamp::now()),
-        observed_generation: None,
-    };
-    // As in set_ready: decided on this version (a stale copy's write is refused, 409).
-    let patch = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
-        "metadata": {"resourceVersion": sc.metadata.resource_version}, "status": {"conditions": [cond]}});
-    match api.patch_status(&name, &PatchParams::apply(IN_USE_MANAGER).force(), &Patch::Apply(&patch)).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e),
-    }
+    set_condition(api, sc, IN_USE_MANAGER, IN_USE, "True", "AddressesInUse", message).await
 }
 
 /// Addresses in use that only `sc` covers, in order, the first [`NAMED`] with the parentRef

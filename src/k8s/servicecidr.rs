@@ -27,7 +27,12 @@ pub fn ranges(obj: &ServiceCIDR) -> Vec<ServiceCidr> {
 
 /// The Ready condition, if set.
 pub fn ready_condition(obj: &ServiceCIDR) -> Option<&Condition> {
-    obj.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == READY)
+    condition(obj, READY)
+}
+
+/// Its condition of type `type_`, if any.
+pub fn condition<'a>(obj: &'a ServiceCIDR, type_: &str) -> Option<&'a Condition> {
+    obj.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == type_)
 }
 
 /// Whether it gives new addresses: not being deleted, and Ready unless a Ready condition

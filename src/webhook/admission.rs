@@ -476,8 +476,10 @@ impl Admission {
         let deadline = Instant::now() + self.in_flight_limit + Duration::from_secs(1);
         let mut total = SweepResult::default();
         loop {
-            let answers: Vec<(IpAddr, InFlight)> = lock(&self.in_flight).iter().map(|(ip, e)| (*ip, e.clone())).collect();
-            let stored: Vec<(IpAddr, InFlight)> = futures::stream::iter(answers)
+            // Only what the apiserver records can be stored (it records an address before it
+            // stores the Service): an answer it does not is left to the sweep, unread.
+            let recorded: Vec<(IpAddr, InFlight)> = lock(&self.in_flight).iter().filter(|(ip, e)| e.recorded || self.recorded_elsewhere(**ip)).map(|(ip, e)| (*ip, e.clone())).collect();
+            let stored: Vec<(IpAddr, InFlight)> = futures::stream::iter(recorded)
                 .map(|(ip, entry)| async move { matches!(self.held_by_service(ip, &entry.parent).await, Ok(true)).then_some((ip, entry)) })
                 .buffer_unordered(DELETIONS_JUDGED_AT_ONCE)
                 .filter_map(|x| async move { x })

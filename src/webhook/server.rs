@@ -155,17 +155,14 @@ impl Webhook {
             text(StatusCode::BAD_REQUEST, msg + "\n")
         };
         let response = match kind {
-            Kind::Mutate | Kind::Validate => {
-                let request = match parse_review(&body) {
-                    Ok(r) => r,
-                    Err(msg) => return bad(msg),
-                };
-                if kind == Kind::Mutate {
-                    admission.mutate(&request).await
-                } else {
-                    admission.validate(&request).await
-                }
-            }
+            Kind::Mutate => match parse_review(&body) {
+                Ok(request) => admission.mutate(&request).await,
+                Err(msg) => return bad(msg),
+            },
+            Kind::Validate => match parse_review(&body) {
+                Ok(request) => admission.validate(&request).await,
+                Err(msg) => return bad(msg),
+            },
             Kind::ValidateServiceCidr => match parse_review_of::<k8s_openapi::api::networking::v1::ServiceCIDR>(&body, "a ServiceCIDR") {
                 Ok(request) => super::servicecidr::validate(self.nodes.as_ref(), &request).await,
                 Err(msg) => return bad(msg),

@@ -30,14 +30,19 @@ fn ranges_of(sc: Option<&ServiceCIDR>) -> Vec<String> {
     sc.and_then(|s| s.spec.as_ref()).and_then(|s| s.cidrs.clone()).unwrap_or_default()
 }
 
-/// The answer to one ServiceCIDR admission, given how the Nodes read.
-pub fn decide(req: &AdmissionRequest<ServiceCIDR>, nodes: Result<Vec<NodeView>, String>) -> AdmissionResponse {
+/// The ranges a create or an update adds, with their index in `spec.cidrs` (none for other
+/// operations; a range that does not parse is the apiserver's validation's to refuse).
+fn added_ranges(req: &AdmissionRequest<ServiceCIDR>) -> Vec<(usize, ServiceCidr)> {
     if !matches!(req.operation, Operation::Create | Operation::Update) {
-        return AdmissionResponse::from(req);
+        return Vec::new();
     }
     let old = ranges_of(req.old_object.as_ref());
-    // (A range that does not parse is the apiserver's validation's to refuse.)
-    let added: Vec<(usize, ServiceCidr)> = ranges_of(req.object.as_ref()).iter().enumerate().filter(|(_, t)| !old.contains(t)).filter_map(|(i, t)| ServiceCidr::parse(t).ok().map(|c| (i, c))).collect();
+    ranges_of(req.object.as_ref()).iter().enumerate().filter(|(_, t)| !old.contains(t)).filter_map(|(i, t)| ServiceCidr::parse(t).ok().map(|c| (i, c))).collect()
+}
+
+/// The answer to one ServiceCIDR admission, given how the Nodes read.
+pub fn decide(req: &AdmissionRequest<ServiceCIDR>, nodes: Result<Vec<NodeView>, String>) -> AdmissionResponse {
+    let added = added_ranges(req);
     if added.is_empty() {
         return AdmissionResponse::from(req);
     }
@@ -80,8 +85,12 @@ pub fn decide(req: &AdmissionRequest<ServiceCIDR>, nodes: Result<Vec<NodeView>, 
     resp
 }
 
-/// Read the Nodes (bounded) and decide.
+/// Read the Nodes (bounded) and decide. A request that adds no range (a finalizer or
+/// label written, a delete) reads nothing.
 pub async fn validate(nodes: Option<&Api<Node>>, req: &AdmissionRequest<ServiceCIDR>) -> AdmissionResponse {
+    if added_ranges(req).is_empty() {
+        return AdmissionResponse::from(req);
+    }
     let read = match nodes {
         None => Ok(Vec::new()),
         Some(api) => match tokio::time::timeout(NODES_WITHIN, api.list(&ListParams::default())).await {

@@ -85,6 +85,8 @@ pub fn report(ranges: &[ServiceCidr], allocated: &[IpAddr], log: &[Entry], now: 
                         match e.change {
                             Transition::Allocated => r.allocated += 1,
                             Transition::Released | Transition::ReleasedBefore => r.released += 1,
+                            // (The change a decision made has its own line, counted above.)
+                            Transition::Decided(_) => {}
                         }
                     }
                     r

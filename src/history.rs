@@ -3,8 +3,9 @@
 //! released), kept durably and bounded so that `clusterip explain IP` can say who held an
 //! address, from when to when.
 //!
-//! The leading controller replica records it ([`record`]): it watches IPAddress objects and
-//! appends one line per change to the newest of a series of ConfigMaps in its namespace,
+//! The leading controller replica records it ([`record`]): it watches IPAddress objects, and
+//! its writer ([`write_loop`]) appends one line per change to the newest of a series of
+//! ConfigMaps in its namespace,
 //! one series per shard of the addresses ([`SHARDS`], so that `explain` of one address
 //! reads a sixteenth of the log), `clusterip-address-history-<shard>-<seq>` (labels
 //! [`LABEL`], [`SHARD_LABEL`]): at most one write per shard every [`FLUSH`] — never one per
@@ -17,6 +18,14 @@
 //!
 //! One line per change: `<unix seconds> <+|-|~> <address> <parentRef> <managed-by>`,
 //! e.g. `1795000000 + 10.96.0.10 services/kube-system/kube-dns ipallocator.k8s.io`.
+//!
+//! Beside them, one line per decision of ours that made a change ([`Decision`]: a repair
+//! pass's release or record, the Service reconciler's, the webhook's release of an answer
+//! whose create failed): `<unix seconds> ! <address> <parent> <replica> <decision>`, e.g.
+//! `1795000300 ! 10.96.0.10 services/a/web clusterip-7d9f-1 service-deleted`. Any replica
+//! notes its decisions ([`Notes`]) and writes them to the same chunks ([`write_loop`]; a
+//! replica that is not leading writes only these, which are rare); `explain` joins each to
+//! the holding it began or ended ([`holdings`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -33,6 +42,83 @@ use crate::k8s;
 use crate::store::fold::{fold, Change};
 use crate::store::ParentRef;
 use crate::sync::lock;
+
+/// A decision of ours that changed who holds an address, as a decision line names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Decision {
+    /// The webhook released an address it answered: the kube-apiserver recorded it and
+    /// released it again while the answer was in flight (the create failed after our answer,
+    /// or the Service was deleted at once).
+    CreateFailed,
+    /// The webhook released an address it answered that the kube-apiserver never recorded
+    /// within `--in-flight-limit` (the request failed before it was stored).
+    NeverRecorded,
+    /// The Service reconciler released an address whose Service was deleted.
+    ServiceDeleted,
+    /// The Service reconciler released an address its Service no longer holds (changed to
+    /// ExternalName, downgraded to one family).
+    ServiceChanged,
+    /// The Service reconciler recorded an address a live Service held without a record
+    /// (Event `ClusterIPNotAllocated`).
+    RecordedForService,
+    /// The repair pass released a record no live Service owns (a leak).
+    RepairReleased,
+    /// The repair pass recorded a Service's address that had no record.
+    RepairRecorded,
+    /// The repair pass replaced a record that named the wrong owner or lacked its labels.
+    RepairReplaced,
+}
+
+impl Decision {
+    const ALL: [Decision; 8] = [
+        Decision::CreateFailed,
+        Decision::NeverRecorded,
+        Decision::ServiceDeleted,
+        Decision::ServiceChanged,
+        Decision::RecordedForService,
+        Decision::RepairReleased,
+        Decision::RepairRecorded,
+        Decision::RepairReplaced,
+    ];
+
+    /// The word a decision line carries.
+    pub fn code(self) -> &'static str {
+        match self {
+            Decision::CreateFailed => "create-failed",
+            Decision::NeverRecorded => "never-recorded",
+            Decision::ServiceDeleted => "service-deleted",
+            Decision::ServiceChanged => "service-changed",
+            Decision::RecordedForService => "recorded-for-service",
+            Decision::RepairReleased => "repair-released",
+            Decision::RepairRecorded => "repair-recorded",
+            Decision::RepairReplaced => "repair-replaced",
+        }
+    }
+
+    fn parse(code: &str) -> Option<Decision> {
+        Decision::ALL.into_iter().find(|d| d.code() == code)
+    }
+
+    /// A release (it ends a holding), else a record (it begins one).
+    pub fn releases(self) -> bool {
+        !matches!(self, Decision::RecordedForService | Decision::RepairRecorded | Decision::RepairReplaced)
+    }
+
+    /// What it was, in a phrase: "<who> <did what>: <why>".
+    pub fn describe(self) -> &'static str {
+        match self {
+            Decision::CreateFailed => "the webhook released its answer: the create failed after it (the kube-apiserver dropped its record)",
+            Decision::NeverRecorded => "the webhook released its answer: the kube-apiserver never recorded it within --in-flight-limit (the request failed)",
+            Decision::ServiceDeleted => "the Service reconciler released it: the Service was deleted",
+            Decision::ServiceChanged => "the Service reconciler released it: the Service no longer holds it",
+            Decision::RecordedForService => "the Service reconciler recorded it: a live Service held it without a record",
+            Decision::RepairReleased => "the repair pass released it: no live Service owns the record",
+            Decision::RepairRecorded => "the repair pass recorded it: a Service held it without a record",
+            Decision::RepairReplaced => "the repair pass replaced its record: it named the wrong owner or lacked its labels",
+        }
+    }
+}
 
 /// Label of the history's ConfigMaps.
 pub const LABEL: &str = "clusterip.allocator/address-history";
@@ -60,6 +146,8 @@ pub enum Transition {
     Released,
     /// The record was found gone by a list: released at some moment before `at`.
     ReleasedBefore,
+    /// A decision of ours about the address (the line's fifth field names the replica).
+    Decided(Decision),
 }
 
 /// One line of the log.
@@ -71,7 +159,8 @@ pub struct Entry {
     pub address: IpAddr,
     /// The parentRef (`services/<ns>/<name>`, `gateways.gateway.networking.k8s.io/<ns>/<name>`).
     pub parent: String,
-    /// The record's `ipaddress.kubernetes.io/managed-by` label ("-" when none).
+    /// The record's `ipaddress.kubernetes.io/managed-by` label ("-" when none); for a
+    /// decision, the replica that made it.
     pub manager: String,
 }
 
@@ -81,6 +170,7 @@ impl Entry {
             Transition::Allocated => '+',
             Transition::Released => '-',
             Transition::ReleasedBefore => '~',
+            Transition::Decided(d) => return format!("{} ! {} {} {} {}", self.at, self.address, self.parent, self.manager, d.code()),
         };
         format!("{} {sign} {} {} {}", self.at, self.address, self.parent, self.manager)
     }
@@ -93,12 +183,30 @@ impl Entry {
             "+" => Transition::Allocated,
             "-" => Transition::Released,
             "~" => Transition::ReleasedBefore,
+            "!" => Transition::Decided(Decision::ALL[0]),
             _ => return None,
         };
         let address = crate::cidr::parse_ip(f.next()?).ok()?;
         let (parent, manager) = (f.next()?.to_string(), f.next()?.to_string());
+        let change = match change {
+            // (A decision this version does not know is skipped, as a bad line is.)
+            Transition::Decided(_) => Transition::Decided(Decision::parse(f.next()?)?),
+            other => other,
+        };
         Some(Entry { at, change, address, parent, manager })
     }
+}
+
+/// A decision line of one address, as `explain` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Decided {
+    /// Unix seconds.
+    pub at: i64,
+    pub decision: Decision,
+    /// The replica that made it.
+    pub by: String,
+    /// The parent it was made for (`-`: none known, a map address of no owner).
+    pub parent: String,
 }
 
 /// Who held an address over one stretch of time.
@@ -112,17 +220,31 @@ pub struct Holding {
     pub to: Option<i64>,
     /// `to` is when a list found the record gone, not when it went.
     pub to_approximate: bool,
+    /// Our decision that recorded it, when one did (else the record's manager did, at the
+    /// Service's admission for `ipallocator.k8s.io`).
+    pub began_by: Option<Decided>,
+    /// Our decision that released it, when one did (else the record was deleted by its
+    /// manager or by hand).
+    pub ended_by: Option<Decided>,
 }
 
-/// The holdings of `ip` in the log, oldest first.
-pub fn holdings(log: &[Entry], ip: IpAddr) -> Vec<Holding> {
+/// A decision is joined to the holding of its parent that began (a record) or ended (a
+/// release) within this many seconds of it: the decision is noted when it is made, the
+/// change when the watch shows it.
+pub const JOIN_SECONDS: i64 = 30;
+
+/// The holdings of `ip` in the log, oldest first, each with the decisions that began and
+/// ended it; and the decisions joined to none (an answer the apiserver never recorded, a
+/// map address released with no record to show it).
+pub fn holdings(log: &[Entry], ip: IpAddr) -> (Vec<Holding>, Vec<Decided>) {
     let mut out: Vec<Holding> = Vec::new();
+    let mut decided: Vec<Decided> = Vec::new();
     for e in log.iter().filter(|e| e.address == ip) {
         match e.change {
             Transition::Allocated => {
                 // (A line written twice, by a flush tried again, is one holding.)
                 if !out.last().is_some_and(|h| h.to.is_none() && h.parent == e.parent) {
-                    out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: Some(e.at), to: None, to_approximate: false });
+                    out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: Some(e.at), to: None, to_approximate: false, began_by: None, ended_by: None });
                 }
             }
             Transition::Released | Transition::ReleasedBefore => {
@@ -134,12 +256,32 @@ pub fn holdings(log: &[Entry], ip: IpAddr) -> Vec<Holding> {
                     }
                     // (Written twice: the holding has ended already.)
                     Some(_) => {}
-                    None => out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: None, to: Some(e.at), to_approximate: approx }),
+                    None => out.push(Holding { parent: e.parent.clone(), manager: e.manager.clone(), from: None, to: Some(e.at), to_approximate: approx, began_by: None, ended_by: None }),
+                }
+            }
+            Transition::Decided(decision) => {
+                let d = Decided { at: e.at, decision, by: e.manager.clone(), parent: e.parent.clone() };
+                if !decided.contains(&d) {
+                    decided.push(d);
                 }
             }
         }
     }
-    out
+    let mut apart = Vec::new();
+    for d in decided {
+        let end = |h: &Holding| if d.decision.releases() { h.to } else { h.from };
+        let nearest = out
+            .iter_mut()
+            .filter(|h| h.parent == d.parent && end(h).is_some_and(|t| (t - d.at).abs() <= JOIN_SECONDS))
+            .filter(|h| if d.decision.releases() { h.ended_by.is_none() } else { h.began_by.is_none() })
+            .min_by_key(|h| end(h).map(|t| (t - d.at).abs()));
+        match nearest {
+            Some(h) if d.decision.releases() => h.ended_by = Some(d),
+            Some(h) => h.began_by = Some(d),
+            None => apart.push(d),
+        }
+    }
+    (out, apart)
 }
 
 /// What one IPAddress object says, for the log.
@@ -178,6 +320,7 @@ impl Holders {
                 Transition::Released | Transition::ReleasedBefore => {
                     h.now.remove(&e.address);
                 }
+                Transition::Decided(_) => {}
             }
         }
         h
@@ -299,10 +442,73 @@ struct Tail {
     newest: Option<ConfigMap>,
 }
 
+/// Lines waiting for the history's writer: the leader's recorder puts the changes it sees
+/// here, and every part that decides ([`Decision`]) notes its decisions. Cheap to clone.
+#[derive(Clone)]
+pub struct Notes {
+    pending: Arc<Mutex<Vec<Entry>>>,
+    /// The replica, named in its decision lines.
+    by: Arc<str>,
+}
+
+/// Decision lines waiting beyond this many are dropped (with a warning): a writer that
+/// cannot write for long must not grow without bound. (The recorder's own lines are not
+/// counted against it: a first list at 100k Services waits here whole.)
+const MAX_PENDING_DECISIONS: usize = 100_000;
+
+impl Notes {
+    /// `by`: the replica's identity (blanks replaced: a line is split on them).
+    pub fn new(by: &str) -> Notes {
+        let by: String = by.chars().map(|c| if c.is_whitespace() { '_' } else { c }).collect();
+        Notes { pending: Arc::default(), by: if by.is_empty() { "-".into() } else { by.into() } }
+    }
+
+    /// Note a decision about `address` made for `parent` (None: no owner known).
+    pub fn note(&self, address: IpAddr, parent: Option<&ParentRef>, decision: Decision) {
+        let entry = Entry { at: unix_now(), change: Transition::Decided(decision), address, parent: parent.map_or_else(|| "-".to_string(), |p| p.to_string()), manager: self.by.to_string() };
+        let mut p = lock(&self.pending);
+        if p.len() >= MAX_PENDING_DECISIONS {
+            warn!(%address, decision = decision.code(), "address history: too many lines waiting to be written; this decision is not recorded");
+            return;
+        }
+        p.push(entry);
+    }
+
+    fn extend(&self, lines: Vec<Entry>) {
+        lock(&self.pending).extend(lines);
+    }
+
+    fn take(&self) -> Vec<Entry> {
+        std::mem::take(&mut *lock(&self.pending))
+    }
+
+    /// Put back lines a write failed on, ahead of those noted meanwhile.
+    fn put_back(&self, lines: Vec<Entry>) {
+        let mut p = lock(&self.pending);
+        let later = std::mem::take(&mut *p);
+        *p = lines;
+        p.extend(later);
+    }
+
+    /// Lines waiting to be written.
+    pub fn waiting(&self) -> usize {
+        lock(&self.pending).len()
+    }
+
+    /// The lines waiting, as they would be written (tests).
+    pub fn lines(&self) -> Vec<String> {
+        lock(&self.pending).iter().map(Entry::line).collect()
+    }
+}
+
+fn unix_now() -> i64 {
+    k8s_openapi::jiff::Timestamp::now().as_second()
+}
+
 /// Record the history until the task is aborted (the replica stops leading): read the log
-/// back, watch IPAddress objects, write every [`FLUSH`]. Keeps about `keep` chunks in all
-/// (`keep / SHARDS` per shard, at least one).
-pub async fn record(client: kube::Client, namespace: String, keep: usize) {
+/// back, watch IPAddress objects, and put each change in `notes` for the replica's
+/// [`write_loop`].
+pub async fn record(client: kube::Client, namespace: String, notes: Notes) {
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
     let stored = loop {
         match chunks(&cms, None).await {
@@ -314,62 +520,94 @@ pub async fn record(client: kube::Client, namespace: String, keep: usize) {
         }
     };
     let holders = Arc::new(Mutex::new(Holders::replay(&entries(&stored))));
-    let mut tails: HashMap<u32, Tail> = HashMap::new();
-    for (shard, seq, c) in stored {
-        let t = tails.entry(shard).or_default();
-        t.seqs.push(seq);
-        t.newest = Some(c);
+    drop(stored);
+    fold(Api::<IPAddress>::all(client), "IPAddress (history)", record_of, move |change| {
+        let mut h = lock(&holders);
+        let new = match change {
+            Change::Replace(list) => h.relisted(&list.into_iter().flatten().collect::<Vec<_>>(), unix_now()),
+            Change::Apply(Some(r)) => h.apply(&r, unix_now()),
+            Change::Delete(Some(r)) => h.delete(r.address, unix_now()).into_iter().collect(),
+            Change::Apply(None) | Change::Delete(None) => Vec::new(),
+        };
+        notes.extend(new);
+    })
+    .await
+}
+
+/// Writes what `notes` holds to the history's chunks in `namespace`, keeping about `keep`
+/// chunks in all (`keep / SHARDS` per shard, at least one).
+pub struct Writer {
+    cms: Api<ConfigMap>,
+    /// What is known of each shard's chunks (read when first written, and after a failed
+    /// write: another replica may have written meanwhile).
+    tails: HashMap<u32, Tail>,
+    per_shard: usize,
+}
+
+impl Writer {
+    pub fn new(client: kube::Client, namespace: &str, keep: usize) -> Writer {
+        Writer { cms: Api::namespaced(client, namespace), tails: HashMap::new(), per_shard: (keep / SHARDS as usize).max(1) }
     }
-    let pending: Arc<Mutex<Vec<Entry>>> = Arc::default();
-    let now = || k8s_openapi::jiff::Timestamp::now().as_second();
-    let watch = {
-        let (holders, pending) = (holders.clone(), pending.clone());
-        fold(Api::<IPAddress>::all(client), "IPAddress (history)", record_of, move |change| {
-            let mut h = lock(&holders);
-            let new = match change {
-                Change::Replace(list) => h.relisted(&list.into_iter().flatten().collect::<Vec<_>>(), now()),
-                Change::Apply(Some(r)) => h.apply(&r, now()),
-                Change::Delete(Some(r)) => h.delete(r.address, now()).into_iter().collect(),
-                Change::Apply(None) | Change::Delete(None) => Vec::new(),
+
+    /// Write what waits in `notes` now; a shard whose write fails is put back for the next
+    /// flush. Returns how many lines were written.
+    pub async fn flush(&mut self, notes: &Notes) -> usize {
+        let batch = notes.take();
+        let (large, mut written) = (batch.len() >= LARGE_BATCH, 0);
+        let mut by_shard: BTreeMap<u32, Vec<Entry>> = BTreeMap::new();
+        for e in batch {
+            by_shard.entry(shard_of(e.address)).or_default().push(e);
+        }
+        for (shard, lines) in by_shard {
+            let tail = match self.tails.remove(&shard) {
+                Some(t) => Ok(t),
+                None => read_tail(&self.cms, shard).await,
             };
-            lock(&pending).extend(new);
-        })
-    };
-    let per_shard = (keep / SHARDS as usize).max(1);
-    let write = async move {
-        let mut every = tokio::time::interval(FLUSH);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            every.tick().await;
-            let batch: Vec<Entry> = std::mem::take(&mut *lock(&pending));
-            let large = batch.len() >= LARGE_BATCH;
-            let mut by_shard: BTreeMap<u32, Vec<Entry>> = BTreeMap::new();
-            for e in batch {
-                by_shard.entry(shard_of(e.address)).or_default().push(e);
-            }
-            for (shard, lines) in by_shard {
-                let tail = tails.entry(shard).or_default();
-                if let Err(e) = append(&cms, shard, tail, &lines, per_shard).await {
+            let result = match tail {
+                Ok(mut t) => {
+                    let r = append(&self.cms, shard, &mut t, &lines, self.per_shard).await;
+                    if r.is_ok() {
+                        self.tails.insert(shard, t);
+                    }
+                    r
+                }
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => written += lines.len(),
+                Err(e) => {
+                    // The shard's chunks are read again at its next write (another writer,
+                    // or a delete, came between).
                     warn!(error = %e, shard, lines = lines.len(), "could not write the address history; trying again at the next flush");
-                    // Read the shard's chunks again next time (another writer, or a delete).
-                    *tail = match chunks(&cms, Some(shard)).await {
-                        Ok(list) => Tail { seqs: list.iter().map(|(_, s, _)| *s).collect(), newest: list.into_iter().last().map(|(_, _, c)| c) },
-                        Err(_) => Tail::default(),
-                    };
-                    let mut p = lock(&pending);
-                    let later = std::mem::take(&mut *p);
-                    *p = lines;
-                    p.extend(later);
+                    notes.put_back(lines);
                 }
             }
-            if large {
-                // The first list's lines (one per address), the relist and the text built
-                // from them are freed by now; without this glibc keeps them resident.
-                clusterip_component_base::memory::release_freed();
-            }
         }
-    };
-    tokio::join!(watch, write);
+        if large {
+            // The first list's lines (one per address), the relist and the text built
+            // from them are freed by now; without this glibc keeps them resident.
+            clusterip_component_base::memory::release_freed();
+        }
+        written
+    }
+}
+
+/// Write what `notes` holds every [`FLUSH`], until the task is aborted. Every replica runs
+/// one (its decisions); the leader's recorder feeds the same `notes`.
+pub async fn write_loop(mut writer: Writer, notes: Notes) {
+    let mut every = tokio::time::interval(FLUSH);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if notes.waiting() > 0 {
+            writer.flush(&notes).await;
+        }
+    }
+}
+
+async fn read_tail(cms: &Api<ConfigMap>, shard: u32) -> Result<Tail, kube::Error> {
+    let list = chunks(cms, Some(shard)).await?;
+    Ok(Tail { seqs: list.iter().map(|(_, s, _)| *s).collect(), newest: list.into_iter().last().map(|(_, _, c)| c) })
 }
 
 /// Append `batch` to the newest chunk of `shard`, starting new ones as each fills up, then
@@ -435,9 +673,68 @@ mod tests {
         let e = Entry { at: 1795000000, change: Transition::Allocated, address: "10.96.0.10".parse().expect("ip"), parent: "services/kube-system/kube-dns".into(), manager: "ipallocator.k8s.io".into() };
         assert_eq!(e.line(), "1795000000 + 10.96.0.10 services/kube-system/kube-dns ipallocator.k8s.io");
         assert_eq!(Entry::parse(&e.line()), Some(e));
-        for bad in ["", "x + 10.96.0.10 a b", "1 ? 10.96.0.10 a b", "1 + nope a b", "1 + 10.96.0.10 a"] {
+        let d = Entry { at: 1795000300, change: Transition::Decided(Decision::ServiceDeleted), address: "10.96.0.10".parse().expect("ip"), parent: "services/a/web".into(), manager: "clusterip-0".into() };
+        assert_eq!(d.line(), "1795000300 ! 10.96.0.10 services/a/web clusterip-0 service-deleted");
+        assert_eq!(Entry::parse(&d.line()), Some(d));
+        for code in Decision::ALL {
+            assert_eq!(Decision::parse(code.code()), Some(code));
+        }
+        // A decision without its word, or one this version does not know, is skipped.
+        for bad in ["", "x + 10.96.0.10 a b", "1 ? 10.96.0.10 a b", "1 + nope a b", "1 + 10.96.0.10 a", "1 ! 10.96.0.10 a b", "1 ! 10.96.0.10 a b some-later-decision"] {
             assert_eq!(Entry::parse(bad), None, "{bad:?}");
         }
+    }
+
+    fn decided(at: i64, d: Decision, ip: &str, parent: &str) -> Entry {
+        Entry { at, change: Transition::Decided(d), address: ip.parse().expect("ip"), parent: parent.into(), manager: "replica-1".into() }
+    }
+
+    /// Each decision joins the holding of its parent that it began (a record) or ended (a
+    /// release) within [`JOIN_SECONDS`], whichever side of the change its line was written
+    /// (another replica's decision lands in the log after the leader's change line, or
+    /// before); a decision written twice joins once; one near no holding of its parent
+    /// (an answer never recorded, another parent's holding) stands apart.
+    #[test]
+    fn decisions_join_the_holdings_they_began_or_ended() {
+        let mut h = Holders::default();
+        let mut log = Vec::new();
+        log.extend(h.apply(&rec("10.96.0.5", "services/a/web", 100), 101));
+        log.push(decided(150, Decision::ServiceDeleted, "10.96.0.5", "services/a/web"));
+        log.extend(h.delete("10.96.0.5".parse().expect("ip"), 149));
+        log.push(decided(150, Decision::ServiceDeleted, "10.96.0.5", "services/a/web"));
+        log.push(decided(300, Decision::RepairRecorded, "10.96.0.5", "services/b/api"));
+        log.extend(h.apply(&rec("10.96.0.5", "services/b/api", 302), 305));
+        log.extend(h.delete("10.96.0.5".parse().expect("ip"), 400));
+        log.push(decided(401, Decision::RepairReleased, "10.96.0.5", "services/b/api"));
+        log.push(decided(500, Decision::NeverRecorded, "10.96.0.5", "services/c/x"));
+        log.push(decided(402, Decision::CreateFailed, "10.96.0.5", "services/b/other"));
+        let (got, apart) = holdings(&log, "10.96.0.5".parse().expect("ip"));
+        let joined: Vec<(&str, Option<Decision>, Option<Decision>)> = got.iter().map(|h| (h.parent.as_str(), h.began_by.as_ref().map(|d| d.decision), h.ended_by.as_ref().map(|d| d.decision))).collect();
+        assert_eq!(
+            joined,
+            vec![("services/a/web", None, Some(Decision::ServiceDeleted)), ("services/b/api", Some(Decision::RepairRecorded), Some(Decision::RepairReleased))]
+        );
+        let apart: Vec<(Decision, &str)> = apart.iter().map(|d| (d.decision, d.parent.as_str())).collect();
+        assert_eq!(apart, vec![(Decision::NeverRecorded, "services/c/x"), (Decision::CreateFailed, "services/b/other")]);
+        // Decisions change no holder: the log replays to the same holders without them.
+        let changes: Vec<Entry> = log.iter().filter(|e| !matches!(e.change, Transition::Decided(_))).cloned().collect();
+        assert_eq!(Holders::replay(&log).now, Holders::replay(&changes).now);
+    }
+
+    /// A replica's identity with blanks still makes one field of a line; notes beyond the
+    /// bound are dropped, not kept without end.
+    #[test]
+    fn notes_name_the_replica_in_one_field_and_are_bounded() {
+        let notes = Notes::new("node a 1");
+        let ip: IpAddr = "10.96.0.7".parse().expect("ip");
+        notes.note(ip, Some(&ParentRef::service("a", "web")), Decision::CreateFailed);
+        notes.note(ip, None, Decision::RepairReleased);
+        let lines: Vec<Option<Entry>> = notes.take().iter().map(|e| Entry::parse(&e.line())).collect();
+        assert_eq!(lines.iter().map(|e| e.as_ref().map(|e| (e.parent.as_str(), e.manager.as_str()))).collect::<Vec<_>>(), vec![Some(("services/a/web", "node_a_1")), Some(("-", "node_a_1"))]);
+        for _ in 0..MAX_PENDING_DECISIONS + 10 {
+            notes.note(ip, None, Decision::RepairReleased);
+        }
+        assert_eq!(notes.waiting(), MAX_PENDING_DECISIONS);
     }
 
     /// Created, deleted, created for another Service; a change of parent ends the old
@@ -455,7 +752,7 @@ mod tests {
         log.extend(h.relisted(&[rec("10.96.0.6", "services/b/x", 450)], 500));
         log.extend(h.relisted(&[rec("10.96.0.6", "services/b/x", 450)], 600));
         let ip: IpAddr = "10.96.0.5".parse().expect("ip");
-        let got: Vec<(String, Option<i64>, Option<i64>, bool)> = holdings(&log, ip).into_iter().map(|h| (h.parent, h.from, h.to, h.to_approximate)).collect();
+        let got: Vec<(String, Option<i64>, Option<i64>, bool)> = holdings(&log, ip).0.into_iter().map(|h| (h.parent, h.from, h.to, h.to_approximate)).collect();
         assert_eq!(
             got,
             vec![
@@ -464,7 +761,7 @@ mod tests {
                 ("services/b/db".into(), Some(300), Some(500), true),
             ]
         );
-        assert_eq!(holdings(&log, "10.96.0.6".parse().expect("ip")).len(), 1);
+        assert_eq!(holdings(&log, "10.96.0.6".parse().expect("ip")).0.len(), 1);
         // Replayed, the log ends where the recorder did.
         assert_eq!(Holders::replay(&log).now, h.now);
         // Lines written twice (a flush tried again after a conflict) read as once.

@@ -645,17 +645,24 @@ async fn explain_tells_who_holds_an_address_and_whether_the_ipaddress_records_ag
     let _ = Api::<IPAddress>::all(client).delete("198.18.166.15", &DeleteParams::default()).await;
 }
 
-/// The address history through a controller (ipaddress backend, leading in the test's own
-/// namespace, where it keeps the history): a Service holds an address, is deleted, another
-/// takes the address; `clusterip explain --namespace` tells both holdings, the first ended,
-/// the second current; `clusterip capacity` counts the address used and finds the history.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
+/// The address history through a controller leading in the test's own namespace (where it
+/// keeps the history), with its repair loop every 2 s: a Service holds an address, is
+/// deleted, another takes the address; `clusterip explain --namespace` tells both holdings,
+/// the first ended, the second current; a Service deleted for good ends its holding with the
+/// Service reconciler's decision; a leak ends with the repair pass's; `clusterip capacity`
+/// counts the address used and finds the history.
+async fn explain_tells_who_held_an_address_and_which_decision_ended_it(backend: &str, range: &str, base: u8) {
     let cp = control_plane();
     let ns = Ns::new(&cp).await;
+    let at = |i: u8| format!("198.19.0.{}", base + i);
+    let name = unique_name("history");
     let mut args = controller_common::client_auth_args(&cp);
-    args.extend(controller_common::controller_args(&cp, "ipaddress", "198.19.0.96/28", &unique_name("history"), &ns.name, "history-0", &cp.kubeconfig()));
-    args.extend(strs(&["--address-history-chunks", "16", "--repair-interval", "0"]));
+    args.extend(controller_common::controller_args(&cp, backend, range, &name, &ns.name, "history-0", &cp.kubeconfig()));
+    args.extend(strs(&["--address-history-chunks", "16", "--repair-interval", "2s", "--repair-grace-period", "1s"]));
+    if backend == "etcd" {
+        // No addresses held ahead of need: the map holds only what Services and the leak hold.
+        args.extend(strs(&["--etcd-address-pool", "0"]));
+    }
     let mut child = Controller::start(args);
     // The leader records from its first list of IPAddresses on (the shared cluster's, never
     // none: the apiserver's `kubernetes` Service holds one), written as the first chunk.
@@ -665,17 +672,50 @@ async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
         chunks_ref.list(&ListParams::default().labels(clusterip::history::LABEL)).await.is_ok_and(|l| !l.items.is_empty())
     })
     .await;
-    ns.service("web", &["198.19.0.97"]).await;
+    ns.service("web", &[&at(1)]).await;
     ns.services().delete("web", &DeleteParams::default()).await.expect("delete web");
     // The apiserver releases web's record as the delete returns; api may take it at once.
-    ns.service("api", &["198.19.0.97"]).await;
-
-    let mut explain_args = strs(&["--backend", "ipaddress", "--service-cidr", "198.19.0.96/28", "--namespace", &ns.name, "--kubeconfig"]);
+    ns.service("api", &[&at(1)]).await;
+    ns.service("gone", &[&at(2)]).await;
+    // Deleted once its address is recorded in our records (the etcd map is the Service
+    // reconciler's or the repair pass's to fill here: no webhook of ours answers this range).
+    let mut explain_args = match backend {
+        "etcd" => strs(&["--backend", "etcd", "--etcd-endpoints", &cp.etcd_endpoints().join(","), "--etcd-prefix", &format!("/clusterip-test/{name}")]),
+        _ => strs(&["--backend", "ipaddress"]),
+    };
+    explain_args.extend(strs(&["--service-cidr", range, "--namespace", &ns.name, "--kubeconfig"]));
     explain_args.push(cp.kubeconfig().display().to_string());
-    let (web, api) = (format!("services/{}/web", ns.name), format!("services/{}/api", ns.name));
-    let (explain_args, web_ref, api_ref) = (&explain_args, &web, &api);
-    let found = clusterip_test_support::eventually_ok("both holdings of 198.19.0.97 in the history", Duration::from_secs(60), Duration::from_millis(500), move || async move {
-        let (code, json) = explain("198.19.0.97", explain_args).await;
+    let explain_args = &explain_args;
+    if backend == "etcd" {
+        let gone_ip = at(2);
+        let gone_ip = &gone_ip;
+        eventually("gone's address in the etcd map", Duration::from_secs(60), move || async move { explain(gone_ip, explain_args).await.1["map"]["allocated"] == true }).await;
+    }
+    ns.services().delete("gone", &DeleteParams::default()).await.expect("delete gone");
+    // A leak: an address recorded for no live Service (ipaddress: an IPAddress of ours
+    // naming a Service that does not exist; etcd: a map address of no owner).
+    let ghost = format!("services/{}/ghost", ns.name);
+    match backend {
+        "etcd" => {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
+                .args(["allocate", "--ip", &at(3), "--backend", "etcd", "--etcd-endpoints", &cp.etcd_endpoints().join(","), "--etcd-prefix", &format!("/clusterip-test/{name}"), "--service-cidr", range])
+                .output()
+                .await
+                .expect("run clusterip allocate");
+            assert!(out.status.success(), "clusterip allocate: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        _ => {
+            let obj = clusterip::k8s::ipaddress::build(ip(&at(3)), (&ParentRef::service(&ns.name, "ghost")).into(), clusterip::store::ipaddress::objects::DEFAULT_MANAGER);
+            Api::<IPAddress>::all(cp.client().await).create(&PostParams::default(), &obj).await.expect("an IPAddress of ours for no Service");
+        }
+    }
+
+    let (web, api, gone) = (format!("services/{}/web", ns.name), format!("services/{}/api", ns.name), format!("services/{}/gone", ns.name));
+    let (web_ref, api_ref) = (&web, &api);
+    let held = at(1);
+    let held_ref = &held;
+    let found = clusterip_test_support::eventually_ok("both holdings of the first address in the history", Duration::from_secs(60), Duration::from_millis(500), move || async move {
+        let (code, json) = explain(held_ref, explain_args).await;
         let history = json["history"].as_array().cloned().unwrap_or_default();
         let parents: Vec<&str> = history.iter().filter_map(|h| h["parent"].as_str()).collect();
         if code == 0 && parents == [web_ref.as_str(), api_ref.as_str()] {
@@ -685,15 +725,54 @@ async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
         }
     })
     .await;
-    let text = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).args(["explain", "198.19.0.97"]).args(explain_args).output().expect("explain (text)");
+    let text = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).args(["explain", &held]).args(explain_args).output().expect("explain (text)");
     let text = String::from_utf8_lossy(&text.stdout);
-    eprintln!("clusterip explain 198.19.0.97 (text):\n{text}");
+    eprintln!("clusterip explain {held} (text):\n{text}");
     assert!(text.contains(&format!("history    {web} ")) && text.contains(&format!("{api} ")) && text.contains("→ now"), "{text}");
-    child.kill();
     let history = found["history"].as_array().expect("history");
     assert!(history[0]["from"].is_string() && history[0]["to"].is_string(), "web's holding has both ends: {found:#}");
     assert!(history[1]["from"].is_string() && history[1]["to"].is_null(), "api holds it still: {found:#}");
     assert_eq!(found["owner"], api.as_str());
+
+    // gone's holding ended by the Service reconciler's release, in the leader's words.
+    let gone_ip = at(2);
+    let (gone_ip_ref, gone_ref) = (&gone_ip, &gone);
+    let ended = clusterip_test_support::eventually_ok("gone's holding ended by the Service reconciler", Duration::from_secs(60), Duration::from_millis(500), move || async move {
+        let (_, json) = explain(gone_ip_ref, explain_args).await;
+        match json["history"].as_array().and_then(|h| h.iter().find(|h| h["parent"] == gone_ref.as_str())) {
+            Some(h) if h["ended_by"]["decision"] == "service-deleted" => Ok(json),
+            _ => Err(format!("{:#}", json["history"])),
+        }
+    })
+    .await;
+    let h = &ended["history"][0];
+    assert_eq!((h["ended_by"]["by"].as_str(), h["ended_by"]["parent"].as_str()), (Some("history-0"), Some(gone.as_str())), "{ended:#}");
+    if backend == "etcd" {
+        // Recorded in the map by the Service reconciler (or, had it not yet, by the repair pass).
+        assert!(matches!(h["began_by"]["decision"].as_str(), Some("recorded-for-service" | "repair-recorded")), "{ended:#}");
+    }
+    let text = std::process::Command::new(env!("CARGO_BIN_EXE_clusterip")).args(["explain", &gone_ip]).args(explain_args).output().expect("explain (text)");
+    let text = String::from_utf8_lossy(&text.stdout);
+    eprintln!("clusterip explain {gone_ip} (text):\n{text}");
+    assert!(text.contains("ended: the Service reconciler released it: the Service was deleted (history-0, "), "{text}");
+
+    // The leak released by the repair pass: on the IPAddress's holding (ipaddress), apart
+    // with no owner (etcd: the map address had no record to show it).
+    let leak = at(3);
+    let (leak_ref, ghost_ref) = (&leak, &ghost);
+    let backend_ref = backend;
+    let released = clusterip_test_support::eventually_ok("the leak's release by the repair pass", Duration::from_secs(90), Duration::from_millis(500), move || async move {
+        let (_, json) = explain(leak_ref, explain_args).await;
+        let decision = match backend_ref {
+            "etcd" => json["decisions"].as_array().and_then(|d| d.iter().find(|d| d["decision"] == "repair-released").cloned()),
+            _ => json["history"].as_array().and_then(|h| h.iter().find(|h| h["parent"] == ghost_ref.as_str()).map(|h| h["ended_by"].clone())).filter(|d| d["decision"] == "repair-released"),
+        };
+        decision.ok_or_else(|| format!("{json:#}"))
+    })
+    .await;
+    let expected_parent = if backend == "etcd" { "-" } else { ghost.as_str() };
+    assert_eq!((released["by"].as_str(), released["parent"].as_str()), (Some("history-0"), Some(expected_parent)), "{released:#}");
+    child.kill();
 
     // `clusterip capacity` over the same range: api's address used, the history found but
     // too young for any rate window, so no forecast.
@@ -701,9 +780,23 @@ async fn explain_tells_who_held_an_address_from_the_leaders_address_history() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     let cap = run.json;
     let r = &cap["ranges"][0];
-    assert_eq!((r["cidr"].as_str(), r["size"].as_u64(), r["used"].as_u64(), r["free"].as_u64()), (Some("198.19.0.96/28"), Some(14), Some(1), Some(13)), "{cap:#}");
+    assert_eq!((r["cidr"].as_str(), r["size"].as_u64(), r["used"].as_u64(), r["free"].as_u64()), (Some(range), Some(14), Some(1), Some(13)), "{cap:#}");
     assert_eq!((r["dynamic_band"]["used"].as_u64(), r["static_band"]["size"].as_u64()), (Some(1), Some(0)), "a /28 has no static band: {cap:#}");
     assert!(cap["history_from"].is_string() && r["rates"].as_array().is_some_and(|a| a.is_empty()) && r["days_to_full"].is_null(), "{cap:#}");
+    if backend == "etcd" {
+        let mut client = etcd_client::Client::connect(cp.etcd_endpoints(), None).await.expect("etcd");
+        let _ = client.delete(format!("/clusterip-test/{name}"), Some(etcd_client::DeleteOptions::new().with_prefix())).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipaddress_backend_explain_tells_who_held_an_address_and_which_decision_ended_it() {
+    explain_tells_who_held_an_address_and_which_decision_ended_it("ipaddress", "198.19.0.96/28", 96).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_backend_explain_tells_who_held_an_address_and_which_decision_ended_it() {
+    explain_tells_who_held_an_address_and_which_decision_ended_it("etcd", "198.19.0.112/28", 112).await;
 }
 
 /// `clusterip what-if` through the real apiserver: a ServiceCIDR of the test's own

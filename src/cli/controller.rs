@@ -212,10 +212,11 @@ pub struct ControllerArgs {
     #[arg(long, default_value = "60s", value_parser = clusterip_component_base::parse_duration)]
     pub repair_grace_period: std::time::Duration,
 
-    /// How many chunks of the address history the leader keeps in all, over 16 shards
-    /// (ConfigMaps `clusterip-address-history-<shard>-<n>` in --leader-elect-namespace, up
-    /// to 64 KiB each: who held each address, from when to when, for `clusterip explain`);
-    /// 0: record none.
+    /// How many chunks of the address history are kept in all, over 16 shards (ConfigMaps
+    /// `clusterip-address-history-<shard>-<n>` in --leader-elect-namespace, up to 64 KiB
+    /// each: who held each address, from when to when, and which decision of ours began or
+    /// ended each holding, for `clusterip explain`). The leader records; every replica adds
+    /// its own decisions. 0: record none.
     #[arg(long, env = "CLUSTERIP_ADDRESS_HISTORY_CHUNKS", default_value_t = crate::history::DEFAULT_CHUNKS)]
     pub address_history_chunks: usize,
 }
@@ -274,7 +275,12 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     let recorded = watch_records(client.clone()).await?;
     let backend = args.backend.build(Role::Controller(replica_backend(&args, &client, &recorded, &identity))).await?;
     let store = backend.metered(metrics.clone());
-    let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit).with_metrics(metrics.clone()));
+    // The address history: the leader records every change; every replica writes its own
+    // decisions (the webhook's releases among them).
+    let history = (args.address_history_chunks > 0).then(|| crate::history::Notes::new(&identity));
+    let history_writer = || crate::history::Writer::new(client.clone(), &args.leader_elect_namespace, args.address_history_chunks);
+    let history_loop = history.clone().map(|notes| tokio::spawn(crate::history::write_loop(history_writer(), notes)));
+    let admission = Arc::new(Admission::new(store.clone(), Some(recorded.clone())).with_in_flight_limit(args.in_flight_limit).with_metrics(metrics.clone()).with_history(history.clone()));
     let [_follow_records, periodic_sweep] = settle_answers(&admission, &recorded, args.in_flight_limit);
     let answers = admission.clone();
 
@@ -299,7 +305,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
         repair_interval: args.repair_interval,
         repair_grace: args.repair_grace_period,
         history_namespace: args.leader_elect_namespace.clone(),
-        history_chunks: args.address_history_chunks,
+        history: history.clone(),
     };
     let mut signals = Signals::new()?;
     let mut election = match args.leader_elect {
@@ -358,6 +364,24 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
             which = signals.next() => tracing::warn!(signal = which, left = answers.in_flight(), "signalled again: exiting with answers unsettled (the repair pass releases any whose request failed)"),
         }
     }
+    // Write the decisions noted since the last flush (the releases just made among them).
+    if let (Some(task), Some(notes)) = (history_loop, &history) {
+        task.abort();
+        let _ = task.await;
+        // Another replica may write the same chunk at once: a write that loses is tried
+        // again (the chunk read anew) until the lines are written or the time is up.
+        let mut writer = history_writer();
+        let last = async {
+            while notes.waiting() > 0 {
+                if writer.flush(notes).await == 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+            }
+        };
+        if tokio::time::timeout(HISTORY_LAST_FLUSH, last).await.is_err() {
+            tracing::warn!(lines = notes.waiting(), "could not write the last lines of the address history before exit");
+        }
+    }
     // Hand back what was held ahead of need (the etcd backend's address pool, the address
     // blocks), so it is free at once instead of after its lease and the repair pass.
     if let Err(e) = crate::store::AllocationStore::close(store.as_ref()).await {
@@ -366,6 +390,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<i32> {
     info!("stopped");
     Ok(0)
 }
+
+/// How long the last write of the address history may take at exit.
+const HISTORY_LAST_FLUSH: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The leader election's settings (checked when the election is on).
 fn election_config(args: &ControllerArgs, identity: &str) -> anyhow::Result<ElectionConfig> {

@@ -30,24 +30,28 @@ pub struct Reconcilers {
     pub repair_interval: Duration,
     /// An IPAddress of ours without its Service is released once older than this.
     pub repair_grace: Duration,
-    /// Where the address history is kept ([`crate::history`]), and how many chunks; 0: none.
+    /// Where the address history is kept ([`crate::history`]) and the replica's lines
+    /// waiting for its writer (None: no history is kept): the leader records every change
+    /// of the cluster's IPAddress objects, and its Service reconciler and repair pass note
+    /// their decisions.
     pub history_namespace: String,
-    pub history_chunks: usize,
+    pub history: Option<crate::history::Notes>,
 }
 
 impl Reconcilers {
     /// Start the reconcilers as one task (abort it to stop them all).
     pub fn start(&self) -> tokio::task::JoinHandle<()> {
         let cidr_ctx = Arc::new(servicecidrs::Context { client: self.client.clone(), store: self.store.clone(), recorded: self.recorded.clone(), metrics: self.metrics.clone(), events: self.events.clone(), told: Default::default() });
-        let svc = services::run(self.client.clone(), self.store.clone(), self.recorded.clone(), self.events.clone(), self.metrics.clone());
+        let svc = services::run(self.client.clone(), self.store.clone(), self.recorded.clone(), self.events.clone(), self.metrics.clone(), self.history.clone());
         let repair = (!self.repair_interval.is_zero()).then(|| {
             let repairer = Repairer::new(self.client.clone(), self.repair_target.clone())
                 .with_grace(self.repair_grace)
                 .with_events(Some(self.identity.clone()))
-                .with_metrics(self.metrics.clone());
+                .with_metrics(self.metrics.clone())
+                .with_history(self.history.clone());
             repair::run_loop(repairer, self.repair_interval)
         });
-        let history = (self.history_chunks > 0).then(|| crate::history::record(self.client.clone(), self.history_namespace.clone(), self.history_chunks));
+        let history = self.history.clone().map(|notes| crate::history::record(self.client.clone(), self.history_namespace.clone(), notes));
         tokio::spawn(async move {
             let repair = async move {
                 if let Some(r) = repair {

@@ -27,15 +27,16 @@ use kube::runtime::WatchStreamExt;
 use tracing::{debug, info, warn};
 
 use crate::cidr::{self, Family};
+use crate::history::{Decision, Notes};
 use crate::k8s::service::held_ips;
 use crate::metrics::Metrics;
 use crate::store::ipaddress::apiserver_ips::ApiserverIps;
-use crate::store::{AllocationStore, StoreError};
+use crate::store::{AllocationStore, ParentRef, StoreError};
 
 use super::events::ServiceEvents;
 
-/// Record what a live Service holds.
-pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, svc: &Service) -> Result<(), StoreError> {
+/// Record what a live Service holds (each address recorded here is noted in `history`).
+pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, svc: &Service, history: Option<&Notes>) -> Result<(), StoreError> {
     let ranges = store.ranges();
     for text in held_ips(svc) {
         let ip = match cidr::parse_ip_sloppy(&text) {
@@ -49,6 +50,9 @@ pub async fn sync_present(store: &dyn AllocationStore, events: &ServiceEvents, s
             continue;
         }
         if record_if_missing(store, ip).await? {
+            if let Some(h) = history {
+                h.note(ip, Some(&parent_of(svc)), Decision::RecordedForService);
+            }
             events
                 .warn(svc, "ClusterIPNotAllocated", "ClusterIPAllocation", format!("Cluster IP [{}]: {ip} is not allocated; repairing", Family::of(ip)))
                 .await;
@@ -79,6 +83,10 @@ const RELEASE_TICK: Duration = Duration::from_secs(1);
 /// The addresses in our ranges a Service holds.
 fn held_in(ranges: &[crate::cidr::ServiceCidr], svc: &Service) -> Vec<IpAddr> {
     held_ips(svc).iter().filter_map(|t| cidr::parse_ip_sloppy(t).ok()).filter(|ip| ranges.iter().any(|c| c.contains(*ip))).collect()
+}
+
+fn parent_of(svc: &Service) -> ParentRef {
+    ParentRef::service(svc.metadata.namespace.as_deref().unwrap_or_default(), svc.metadata.name.as_deref().unwrap_or_default())
 }
 
 fn key_of(svc: &Service) -> String {
@@ -130,14 +138,21 @@ impl Holdings {
 pub struct Releases {
     store: Arc<dyn AllocationStore>,
     recorded: ApiserverIps,
-    /// Address → when it was given up.
-    waiting: HashMap<IpAddr, Instant>,
+    /// Address → when it was given up, by which Service, and why.
+    waiting: HashMap<IpAddr, (Instant, ParentRef, Decision)>,
     patience: Duration,
+    history: Option<Notes>,
 }
 
 impl Releases {
     pub fn new(store: Arc<dyn AllocationStore>, recorded: ApiserverIps) -> Self {
-        Self { store, recorded, waiting: HashMap::new(), patience: RELEASE_PATIENCE }
+        Self { store, recorded, waiting: HashMap::new(), patience: RELEASE_PATIENCE, history: None }
+    }
+
+    /// Noting each release in the address history.
+    pub fn with_history(mut self, history: Option<Notes>) -> Self {
+        self.history = history;
+        self
     }
 
     /// With another patience (tests).
@@ -146,9 +161,10 @@ impl Releases {
         self
     }
 
-    /// An address a Service no longer holds.
-    pub fn given_up(&mut self, ip: IpAddr) {
-        self.waiting.entry(ip).or_insert_with(Instant::now);
+    /// An address `svc` no longer holds: `why` it was deleted
+    /// ([`Decision::ServiceDeleted`]) or changed ([`Decision::ServiceChanged`]).
+    pub fn given_up(&mut self, ip: IpAddr, svc: &Service, why: Decision) {
+        self.waiting.entry(ip).or_insert_with(|| (Instant::now(), parent_of(svc), why));
     }
 
     /// Addresses waiting.
@@ -163,12 +179,14 @@ impl Releases {
         let mut released = Vec::new();
         let mut first_err = None;
         let now = Instant::now();
-        let ips: Vec<(IpAddr, Instant)> = self.waiting.iter().map(|(ip, t)| (*ip, *t)).collect();
+        let ips: Vec<(IpAddr, Instant)> = self.waiting.iter().map(|(ip, (t, _, _))| (*ip, *t)).collect();
         for (ip, since) in ips {
             match self.recorded.recorded_now(ip).await {
                 Ok(false) => match self.store.release(ip).await {
                     Ok(()) => {
-                        self.waiting.remove(&ip);
+                        if let (Some(h), Some((_, parent, why))) = (&self.history, self.waiting.remove(&ip)) {
+                            h.note(ip, Some(&parent), why);
+                        }
                         released.push(ip);
                     }
                     Err(StoreError::NotOwner { owner, .. }) => {
@@ -197,10 +215,10 @@ impl Releases {
 }
 
 /// Watch Services until the task is dropped.
-pub async fn run(client: kube::Client, store: Arc<dyn AllocationStore>, recorded: ApiserverIps, events: ServiceEvents, metrics: Arc<Metrics>) {
+pub async fn run(client: kube::Client, store: Arc<dyn AllocationStore>, recorded: ApiserverIps, events: ServiceEvents, metrics: Arc<Metrics>, history: Option<Notes>) {
     let api: Api<Service> = Api::all(client);
     let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
-    let mut releases = Releases::new(store.clone(), recorded);
+    let mut releases = Releases::new(store.clone(), recorded).with_history(history.clone());
     let mut holdings = Holdings::new(store.ranges());
     let mut tick = tokio::time::interval(RELEASE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -229,13 +247,13 @@ pub async fn run(client: kube::Client, store: Arc<dyn AllocationStore>, recorded
         let result = match &ev {
             Ok(Event::Apply(svc)) | Ok(Event::InitApply(svc)) => {
                 for ip in holdings.applied(svc) {
-                    releases.given_up(ip);
+                    releases.given_up(ip, svc, Decision::ServiceChanged);
                 }
-                sync_present(store.as_ref(), &events, svc).await
+                sync_present(store.as_ref(), &events, svc, history.as_ref()).await
             }
             Ok(Event::Delete(svc)) => {
                 for ip in holdings.deleted(svc) {
-                    releases.given_up(ip);
+                    releases.given_up(ip, svc, Decision::ServiceDeleted);
                 }
                 Ok(())
             }
@@ -339,17 +357,21 @@ mod tests {
         store.allocate(ip("198.19.0.7"), Some(&gateway)).await.expect("a Gateway's");
         // The apiserver records .6 (a Service created again holds it).
         let view = ApiserverIps::fixed([ip("198.19.0.6")]);
-        let mut releases = Releases::new(store.clone(), view.clone());
+        let notes = Notes::new("replica-0");
+        let mut releases = Releases::new(store.clone(), view.clone()).with_history(Some(notes.clone()));
+        let gone = service("u1", &["198.19.0.5"]);
         for a in ["198.19.0.5", "198.19.0.6", "198.19.0.7"] {
-            releases.given_up(ip(a));
+            releases.given_up(ip(a), &gone, Decision::ServiceDeleted);
         }
         assert_eq!(releases.process().await.expect("process"), vec![ip("198.19.0.5")]);
         // .6 waits (the apiserver may still be deleting it); the Gateway's is never released.
         assert_eq!(releases.waiting(), 1);
+        // The release, and only it, is noted for the address history, naming the Service.
+        assert_eq!(notes.waiting(), 1);
         assert!(store.has(ip("198.19.0.6")).await.expect("has") && store.has(ip("198.19.0.7")).await.expect("has"));
         // Still recorded after the patience: someone new holds it, and it is kept.
         let mut releases = Releases::new(store.clone(), view).with_patience(Duration::ZERO);
-        releases.given_up(ip("198.19.0.6"));
+        releases.given_up(ip("198.19.0.6"), &gone, Decision::ServiceDeleted);
         assert!(releases.process().await.expect("process").is_empty());
         assert_eq!(releases.waiting(), 0);
         assert!(store.has(ip("198.19.0.6")).await.expect("has"));

@@ -82,6 +82,27 @@ pub struct HoldingFact {
     pub to: Option<String>,
     /// `to` is when a list found the record gone (no replica was recording when it went).
     pub to_approximate: bool,
+    /// The decision of ours that recorded it (None: its manager did — the kube-apiserver, at
+    /// the Service's admission, for `ipallocator.k8s.io`).
+    pub began_by: Option<DecisionFact>,
+    /// The decision of ours that released it (None while held, or when the record was
+    /// deleted by its manager or by hand and no decision of ours was noted).
+    pub ended_by: Option<DecisionFact>,
+}
+
+/// A decision of ours about the address, per the address history.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecisionFact {
+    /// RFC 3339.
+    pub at: String,
+    /// Its code (`service-deleted`, `repair-released`, `create-failed`, …).
+    pub decision: &'static str,
+    /// The replica that made it.
+    pub by: String,
+    /// The parent it was made for (`-`: none known).
+    pub parent: String,
+    /// What it was, in words.
+    pub says: &'static str,
 }
 
 /// One finding of the repair rules about the address.
@@ -114,6 +135,9 @@ pub struct Explanation {
     /// Who held it, oldest first, as far as the address history reaches (None: no history
     /// could be read).
     pub history: Option<Vec<HoldingFact>>,
+    /// Decisions of ours in the history that began or ended no holding of it (an answer the
+    /// kube-apiserver never recorded, a map address released with no record to show it).
+    pub decisions: Vec<DecisionFact>,
 }
 
 /// Gather what the cluster and the backend of `target` hold for `ip`; block Leases and the
@@ -160,13 +184,31 @@ pub async fn explain(client: &kube::Client, target: &Target, ip: IpAddr, namespa
         futures::try_join!(object, map, target.ranges(client, own), by_cluster_ip(client, ip), block, history)?;
     let services = holders(client, ip, selected, object.as_ref()).await?;
     let mut found = judge(ip, backend, &ranges, cluster_ranges, services, object, map, block, mode);
-    found.history = history.map(|h| h.into_iter().map(holding_fact).collect());
+    if let Some((holdings, apart)) = history {
+        found.history = Some(holdings.into_iter().map(holding_fact).collect());
+        found.decisions = apart.into_iter().map(decision_fact).collect();
+    }
     Ok(found)
 }
 
+fn time(t: Option<i64>) -> Option<String> {
+    t.and_then(|s| k8s_openapi::jiff::Timestamp::from_second(s).ok()).map(|t| t.to_string())
+}
+
 fn holding_fact(h: crate::history::Holding) -> HoldingFact {
-    let time = |t: Option<i64>| t.and_then(|s| k8s_openapi::jiff::Timestamp::from_second(s).ok()).map(|t| t.to_string());
-    HoldingFact { parent: h.parent, manager: h.manager, from: time(h.from), to: time(h.to), to_approximate: h.to_approximate }
+    HoldingFact {
+        parent: h.parent,
+        manager: h.manager,
+        from: time(h.from),
+        to: time(h.to),
+        to_approximate: h.to_approximate,
+        began_by: h.began_by.map(decision_fact),
+        ended_by: h.ended_by.map(decision_fact),
+    }
+}
+
+fn decision_fact(d: crate::history::Decided) -> DecisionFact {
+    DecisionFact { at: time(Some(d.at)).unwrap_or_default(), decision: d.decision.code(), by: d.by, parent: d.parent, says: d.decision.describe() }
 }
 
 /// The Services whose `spec.clusterIP` is `ip` (a field selector).
@@ -266,6 +308,7 @@ pub fn judge(
         agree: findings.is_empty(),
         findings,
         history: None,
+        decisions: Vec::new(),
     }
 }
 
@@ -326,9 +369,28 @@ impl std::fmt::Display for Explanation {
                         (None, _) => "now".into(),
                     };
                     writeln!(f, "  {}{} {} → {to}", if i == 0 { "history    " } else { "           " }, x.parent, x.from.as_deref().unwrap_or("(before the history)"))?;
+                    let began = match &x.began_by {
+                        Some(d) => Some(format!("{} ({}, {})", d.says, d.by, d.at)),
+                        None if x.from.is_some() && x.manager == KUBE_APISERVER_MANAGER => Some("recorded by the kube-apiserver at the Service's admission".into()),
+                        None => None,
+                    };
+                    let ended = match &x.ended_by {
+                        Some(d) => Some(format!("{} ({}, {})", d.says, d.by, d.at)),
+                        None if x.to.is_some() && x.manager == KUBE_APISERVER_MANAGER => Some("the kube-apiserver deleted its record (the Service was deleted or gave the address up); no decision of ours noted".into()),
+                        None if x.to.is_some() => Some(format!("its record was deleted, by its manager ({}) or by hand; no decision of ours noted", x.manager)),
+                        None => None,
+                    };
+                    for (what, why) in [("began", began), ("ended", ended)] {
+                        if let Some(why) = why {
+                            writeln!(f, "             {what}: {why}")?;
+                        }
+                    }
                 }
             }
             None => {}
+        }
+        for (i, d) in self.decisions.iter().enumerate() {
+            writeln!(f, "  {}{} {} for {}: {} ({})", if i == 0 { "decisions  " } else { "           " }, d.at, d.decision, d.parent, d.says, d.by)?;
         }
         let recorded = self.ipaddress.is_some() || self.map.as_ref().is_some_and(|m| m.allocated);
         let owner = match (&self.owner, recorded) {

@@ -170,11 +170,12 @@ pub struct Repairer {
     leaks: LeakCounts,
     recorder: Option<Recorder>,
     metrics: Option<Arc<Metrics>>,
+    history: Option<crate::history::Notes>,
 }
 
 impl Repairer {
     pub fn new(client: kube::Client, target: Target) -> Self {
-        Self { client, target, grace: DEFAULT_GRACE, leaks: LeakCounts::default(), recorder: None, metrics: None }
+        Self { client, target, grace: DEFAULT_GRACE, leaks: LeakCounts::default(), recorder: None, metrics: None, history: None }
     }
 
     /// IPAddress leak grace period (default 60s).
@@ -192,6 +193,31 @@ impl Repairer {
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
+    }
+
+    /// Note each change a pass makes in the address history (the leader's).
+    pub fn with_history(mut self, history: Option<crate::history::Notes>) -> Self {
+        self.history = history;
+        self
+    }
+
+    /// Note an applied finding's change in the address history.
+    fn note(&self, f: &Finding) {
+        use crate::history::Decision;
+        let (Some(history), Ok(ip)) = (&self.history, cidr::parse_ip(&f.address)) else { return };
+        let decision = match f.action {
+            Action::Release => Decision::RepairReleased,
+            Action::Create => Decision::RepairRecorded,
+            Action::Replace => Decision::RepairReplaced,
+            _ => return,
+        };
+        let parent = match (&f.service, f.record.as_ref().and_then(|r| r.parent.as_ref())) {
+            (Some((ns, name)), _) if decision != Decision::RepairReleased => Some(ParentRef::service(ns, name)),
+            (_, Some(p)) => Some(p.clone()),
+            (Some((ns, name)), None) => Some(ParentRef::service(ns, name)),
+            (None, None) => None,
+        };
+        history.note(ip, parent.as_ref(), decision);
     }
 
     /// Addresses currently counted as leaked (etcd backend), with their counts.
@@ -338,6 +364,7 @@ impl Repairer {
         };
         match changed {
             Ok(()) => {
+                self.note(f);
                 if let Some(ev) = &f.event {
                     self.post(ev).await;
                 }

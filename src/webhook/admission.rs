@@ -41,6 +41,7 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::AllocError;
 use crate::cidr::Family;
+use crate::history::{Decision as Noted, Notes};
 use crate::k8s::service;
 use crate::metrics::Metrics;
 use crate::store::ipaddress::apiserver_ips::{ApiserverIps, IpChange};
@@ -81,6 +82,8 @@ pub struct Admission {
     /// How long an unrecorded answer is kept before its address is released.
     in_flight_limit: Duration,
     metrics: Option<Arc<Metrics>>,
+    /// Where each release of an answer is noted for the address history.
+    history: Option<Notes>,
 }
 
 /// What one sweep of the in-flight addresses did.
@@ -216,7 +219,7 @@ fn keeps(plan: &Plan, held: &[IpAddr]) -> bool {
 
 impl Admission {
     pub fn new(store: Arc<dyn AllocationStore>, recorded: Option<ApiserverIps>) -> Self {
-        Self { store, recorded, in_flight: Mutex::default(), in_flight_limit: IN_FLIGHT_LIMIT, metrics: None }
+        Self { store, recorded, in_flight: Mutex::default(), in_flight_limit: IN_FLIGHT_LIMIT, metrics: None, history: None }
     }
 
     /// Counting released addresses in `clusterip_webhook_released_addresses_total`.
@@ -225,9 +228,21 @@ impl Admission {
         self
     }
 
+    /// Noting each release of an answer in the address history.
+    pub fn with_history(mut self, history: Option<Notes>) -> Self {
+        self.history = history;
+        self
+    }
+
     fn count_released(&self, reason: &'static str, n: usize) {
         if let Some(m) = &self.metrics {
             m.webhook_released_addresses(reason, n as u64);
+        }
+    }
+
+    fn note(&self, ip: IpAddr, parent: &ParentRef, decision: Noted) {
+        if let Some(h) = &self.history {
+            h.note(ip, Some(parent), decision);
         }
     }
 
@@ -371,6 +386,7 @@ impl Admission {
             Ok(()) => {
                 debug!(%ip, service = %entry.parent, "released an address the apiserver recorded after our answer and released again (the create failed, or the Service was deleted)");
                 self.count_released("apiserver_released", 1);
+                self.note(ip, &entry.parent, Noted::CreateFailed);
             }
             Err(StoreError::NotOwner { .. }) => {}
             Err(e) => {
@@ -438,6 +454,7 @@ impl Admission {
                     Ok(false) => match self.store.release_owned(ip, &entry.parent).await {
                     Ok(()) => {
                         debug!(%ip, service = %entry.parent, "released an address the apiserver never recorded (the request failed)");
+                        self.note(ip, &entry.parent, Noted::NeverRecorded);
                         result.released.push(ip);
                         true
                     }
@@ -893,7 +910,8 @@ mod tests {
     async fn before_exit_an_unrecorded_answer_is_released_once_past_the_limit_and_no_later() {
         let limit = std::time::Duration::from_secs(1);
         let (adm, store) = admission_recording(&[]);
-        let adm = adm.with_in_flight_limit(limit);
+        let notes = crate::history::Notes::new("replica-0");
+        let adm = adm.with_in_flight_limit(limit).with_history(Some(notes.clone()));
         let resp = adm.mutate(&request("CREATE", service(json!({"ports": [{"port": 80}]}), json!({})), None)).await;
         let ip: IpAddr = value(&patched(&resp), "/spec/clusterIP").as_str().expect("clusterIP").parse().expect("ip");
         let started = Instant::now();
@@ -901,6 +919,9 @@ mod tests {
         assert!(started.elapsed() >= limit / 2, "released after {:?}, before the limit {limit:?} could pass", started.elapsed());
         assert_eq!((settled.released, settled.waiting), (vec![ip], 0));
         assert!(!store.has(ip).await.expect("has"), "an answer never recorded still held after the exit settle");
+        // The release is noted for the address history, with its reason.
+        let noted = notes.lines();
+        assert!(noted.len() == 1 && noted[0].ends_with(&format!(" ! {ip} services/default/web replica-0 never-recorded")), "{noted:?}");
         // Nothing answered: nothing to wait for.
         let (adm, _) = admission_recording(&[]);
         let started = Instant::now();

@@ -99,7 +99,9 @@ async fn a_stopping_replica_releases_an_answer_never_recorded(backend: &str, ran
     let cidr = ServiceCidr::parse(range).expect("range");
     let mut wh = Webhook::start_with(&cp, backend, Slice(0), |h| {
         h.ranges = vec![range.to_string()];
-        h.flags(&["--in-flight-limit", "20s", "--apiserver-request-timeout", "5s"]);
+        // The address history on (in `default`, the harness's controller namespace): the
+        // release is noted there as the replica's decision.
+        h.flags(&["--in-flight-limit", "20s", "--apiserver-request-timeout", "5s", "--address-history-chunks", "64"]);
     })
     .await;
     let api = wh.services();
@@ -159,6 +161,23 @@ async fn a_stopping_replica_releases_an_answer_never_recorded(backend: &str, ran
     assert_eq!(held(&wh, &cp, backend, &cidr, &leases).await, 0, "the refused create's address is still held after the replica stopped ({backend}):\n{log}");
     assert!(log.contains("answers settled"), "the replica did not settle its answers before exit:\n{log}");
     let _ = configs.delete(&refusing, &DeleteParams::default()).await;
+
+    // `clusterip explain` tells the release as the stopped replica's decision, written
+    // before it exited: the answer was never recorded, so it ends no holding.
+    let answered: Vec<&str> = log.lines().filter(|l| l.contains("assigned ClusterIPs") && l.contains("/refused")).filter_map(|l| l.split("ips=").nth(1)).filter_map(|t| t.split_whitespace().next()).collect();
+    let ip = *answered.last().unwrap_or_else(|| panic!("no answer for the refused create in the log:\n{log}"));
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_clusterip"))
+        .args(["explain", ip, "--backend", "ipaddress", "--service-cidr", range, "--namespace", "default", "-o", "json", "--kubeconfig"])
+        .arg(cp.kubeconfig())
+        .output()
+        .await
+        .expect("run clusterip explain");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("explain printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+    let decisions = json["decisions"].as_array().cloned().unwrap_or_default();
+    assert!(
+        decisions.iter().any(|d| d["decision"] == "never-recorded" && d["by"] == "replica-0" && d["parent"].as_str().is_some_and(|p| p.ends_with("/refused"))),
+        "no never-recorded decision of replica-0 for {ip}: {json:#}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

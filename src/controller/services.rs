@@ -184,7 +184,8 @@ impl Releases {
             match self.recorded.recorded_now(ip).await {
                 Ok(false) => match self.store.release(ip).await {
                     Ok(()) => {
-                        if let (Some(h), Some((_, parent, why))) = (&self.history, self.waiting.remove(&ip)) {
+                        let given_up = self.waiting.remove(&ip);
+                        if let (Some(h), Some((_, parent, why))) = (&self.history, given_up) {
                             h.note(ip, Some(&parent), why);
                         }
                         released.push(ip);

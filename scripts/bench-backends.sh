@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Allocation throughput of the backends, side by side, on a private dev control plane:
 #   (a) etcd with group commit (our default), (b) etcd with one compare-and-swap per
-#   allocation (the same code, --etcd-max-batch 1: Kubernetes' strategy), (c) IPAddress
-#   objects through the real kube-apiserver.
-# Each run is one `clusterip allocate` process with C concurrent callers.
+#   allocation (the same code, --etcd-max-batch 1: the bitmap allocator's strategy), (c)
+#   IPAddress objects through the real kube-apiserver, and (d) Kubernetes' own IPAddress
+#   allocator (ipallocator.NewIPAllocator, the default since 1.33: benches/k8s-ipallocator,
+#   built from Go modules), against the same apiserver.
+# Each run is one process with C concurrent callers (`clusterip allocate`, or the Go program
+# with one allocator shared by its callers, as a kube-apiserver's requests share it).
 #
 #   scripts/bench-backends.sh            # COUNT=2000 allocations per run (minutes)
 #   COUNT=500 scripts/bench-backends.sh
@@ -28,6 +31,8 @@ trap 'exit 143' TERM
 
 cargo build --release --quiet --bin clusterip
 bin=$repo/target/release/clusterip
+scripts/lib/build-go-binaries.sh ipallocbench
+gobench="$(scripts/lib/build-go-binaries.sh print-dirs | sed -n 's/^K8S_BIN=//p')/ipallocbench"
 CLUSTERIP_CONTROLLER=0 scripts/dev-cluster.sh up >/dev/null
 # shellcheck source=/dev/null
 . "$CLUSTERIP_CLUSTER_DIR/env"
@@ -46,14 +51,29 @@ measure() {
   sed -n 's/.*ops_per_s=\([0-9.]*\).*/\1/p' <<<"$summary"
 }
 
+# ops/s of Kubernetes' IPAddress allocator: COUNT allocations from a fresh range, C callers.
+measure_k8s() {
+  local c=$1
+  run=$((run + 1))
+  local summary failed
+  local err="$CLUSTERIP_CLUSTER_DIR/ipallocbench-$run.err"
+  summary=$("$gobench" -kubeconfig "$KUBECONFIG" -cidr "fd00:b:$run::/112" -count "$COUNT" -concurrency "$c" 2>"$err" | grep '^ipaddress_allocator ' | tail -n 1) || true
+  failed=$(sed -n 's/.*failed=\([0-9]*\).*/\1/p' <<<"$summary")
+  [ "${failed:-1}" = 0 ] || { echo "bench-backends: Kubernetes' IPAddress allocator run failed: ${summary:-no summary}; $(tail -n 3 "$err")" >&2; exit 1; }
+  sed -n 's/.*ops_per_s=\([0-9.]*\).*/\1/p' <<<"$summary"
+}
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+
 etcd=(--backend etcd --etcd-endpoints "$CLUSTERIP_ETCD_ENDPOINTS")
 ipaddr=(--backend ipaddress --kubeconfig "$KUBECONFIG")
 for c in 1 8 64; do
   group=$(measure "$c" "${etcd[@]}" --etcd-prefix "/bench/group-$c")
   single=$(measure "$c" "${etcd[@]}" --etcd-prefix "/bench/single-$c" --etcd-max-batch 1)
-  ratio=$(awk -v a="$group" -v b="$single" 'BEGIN { printf "%.2f", a / b }')
-  echo "RESULT etcd_group_commit_vs_single_cas_$c ours=$group baseline=$single ratio=$ratio"
+  echo "RESULT etcd_group_commit_vs_single_cas_$c ours=$group baseline=$single ratio=$(ratio "$group" "$single")"
   ipa=$(measure "$c" "${ipaddr[@]}")
-  ratio=$(awk -v a="$ipa" -v b="$single" 'BEGIN { printf "%.2f", a / b }')
-  echo "RESULT ipaddress_objects_vs_single_cas_$c ours=$ipa baseline=$single ratio=$ratio"
+  echo "RESULT ipaddress_objects_vs_single_cas_$c ours=$ipa baseline=$single ratio=$(ratio "$ipa" "$single")"
+  k8s=$(measure_k8s "$c")
+  echo "RESULT etcd_group_commit_vs_k8s_ipaddress_allocator_$c ours=$group peer=$k8s ratio=$(ratio "$group" "$k8s")"
+  echo "RESULT ipaddress_objects_vs_k8s_ipaddress_allocator_$c ours=$ipa peer=$k8s ratio=$(ratio "$ipa" "$k8s")"
 done

@@ -1,8 +1,14 @@
-// Command ipallocbench runs the allocator workloads of scripts/bench-allocator.sh on
-// Kubernetes' own in-memory bitmap allocator (k8s.io/kubernetes/pkg/registry/core/service/ipallocator),
-// built from Go modules at the Kubernetes version the harness pins.
+// Command ipallocbench runs Kubernetes' own allocators from
+// k8s.io/kubernetes/pkg/registry/core/service/ipallocator, built from Go modules at the
+// Kubernetes version the harness pins:
 //
-// Output: one line per workload, "<workload> ns_per_op=<float> ops=<n>".
+//   - the in-memory bitmap allocator on the workloads of scripts/bench-allocator.sh
+//     (the default). Output: one line per workload, "<workload> ns_per_op=<float> ops=<n>".
+//   - with -kubeconfig, the IPAddress allocator (ipallocator.NewIPAllocator, the default
+//     since Kubernetes 1.33) against that apiserver, as scripts/bench-backends.sh runs
+//     `clusterip allocate`: -count dynamic allocations from -cidr by -concurrency callers
+//     sharing one allocator, as a kube-apiserver's create requests share its allocator.
+//     Output: "ipaddress_allocator allocated=<n> failed=<n> secs=<float> ops_per_s=<float>".
 package main
 
 import (
@@ -11,8 +17,16 @@ import (
 	"math/rand"
 	"net"
 	"os"
+	"sync"
+	"sync/atomic"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	api "k8s.io/kubernetes/pkg/apis/core"
 	"k8s.io/kubernetes/pkg/registry/core/service/ipallocator"
 )
 
@@ -76,10 +90,66 @@ func churn(cidr string, ops int) {
 	fmt.Printf("churn_99pct_slash16 ns_per_op=%.1f ops=%d\n", float64(spent.Nanoseconds())/float64(ops), ops)
 }
 
+// ipaddresses: count dynamic allocations by concurrency callers through one IPAddress
+// allocator, each a create of an IPAddress object naming a Service "bench/s-<i>".
+func ipaddresses(kubeconfig, cidr string, count, concurrency int) {
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	must(err)
+	// The apiserver's own allocator talks to itself unthrottled (loopback client); so does ours.
+	cfg.QPS, cfg.Burst = 1e6, 1e6
+	client, err := kubernetes.NewForConfig(cfg)
+	must(err)
+	factory := informers.NewSharedInformerFactory(client, 0)
+	informer := factory.Networking().V1().IPAddresses()
+	_, n, err := net.ParseCIDR(cidr)
+	must(err)
+	alloc, err := ipallocator.NewIPAllocator(n, client.NetworkingV1(), informer)
+	must(err)
+	stop := make(chan struct{})
+	defer close(stop)
+	factory.Start(stop)
+	if !cache.WaitForCacheSync(stop, informer.Informer().HasSynced) {
+		must(fmt.Errorf("the IPAddress informer did not sync"))
+	}
+	var next, failed atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := 0; w < concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1)
+				if i > int64(count) {
+					return
+				}
+				svc := &api.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "bench", Name: fmt.Sprintf("s-%d", i)}}
+				if _, err := alloc.AllocateNextService(svc); err != nil {
+					if failed.Add(1) == 1 {
+						fmt.Fprintln(os.Stderr, "ipallocbench: allocation failed:", err)
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	secs := time.Since(start).Seconds()
+	ok := int64(count) - failed.Load()
+	fmt.Printf("ipaddress_allocator allocated=%d failed=%d secs=%.3f ops_per_s=%.1f\n", ok, failed.Load(), secs, float64(ok)/secs)
+}
+
 func main() {
 	minFill := flag.Duration("fill-min", 3*time.Second, "minimum time spent filling the /12")
 	churnOps := flag.Int("churn-ops", 200000, "release+allocate pairs at 99% fill")
+	kubeconfig := flag.String("kubeconfig", "", "run the IPAddress allocator against this apiserver instead of the bitmap workloads")
+	cidr := flag.String("cidr", "", "(with -kubeconfig) the range to allocate from")
+	count := flag.Int("count", 2000, "(with -kubeconfig) allocations")
+	concurrency := flag.Int("concurrency", 1, "(with -kubeconfig) callers at once")
 	flag.Parse()
+	if *kubeconfig != "" {
+		ipaddresses(*kubeconfig, *cidr, *count, *concurrency)
+		return
+	}
 	fill("10.96.0.0/12", *minFill)
 	churn("10.97.0.0/16", *churnOps)
 }

@@ -9,9 +9,12 @@
 //     `clusterip allocate`: -count dynamic allocations from -cidr by -concurrency callers
 //     sharing one allocator, as a kube-apiserver's create requests share its allocator.
 //     Output: "ipaddress_allocator allocated=<n> failed=<n> secs=<float> ops_per_s=<float>".
+//   - with -kubeconfig and -clear, deletes every IPAddress object in -cidr (64 at a time), so
+//     that each run of scripts/bench-backends.sh meets the same cluster.
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"math/rand"
@@ -21,6 +24,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -90,15 +94,55 @@ func churn(cidr string, ops int) {
 	fmt.Printf("churn_99pct_slash16 ns_per_op=%.1f ops=%d\n", float64(spent.Nanoseconds())/float64(ops), ops)
 }
 
-// ipaddresses: count dynamic allocations by concurrency callers through one IPAddress
-// allocator, each a create of an IPAddress object naming a Service "bench/s-<i>".
-func ipaddresses(kubeconfig, cidr string, count, concurrency int) {
+// clear deletes every IPAddress object named by an address in cidr, 64 at a time.
+func clear(client kubernetes.Interface, cidr string) {
+	_, n, err := net.ParseCIDR(cidr)
+	must(err)
+	list, err := client.NetworkingV1().IPAddresses().List(context.Background(), metav1.ListOptions{})
+	must(err)
+	names := make(chan string)
+	var wg sync.WaitGroup
+	var failed atomic.Int64
+	for w := 0; w < 64; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for name := range names {
+				err := client.NetworkingV1().IPAddresses().Delete(context.Background(), name, metav1.DeleteOptions{})
+				if err != nil && !apierrors.IsNotFound(err) && failed.Add(1) == 1 {
+					fmt.Fprintln(os.Stderr, "ipallocbench: delete:", err)
+				}
+			}
+		}()
+	}
+	deleted := 0
+	for _, o := range list.Items {
+		if ip := net.ParseIP(o.Name); ip != nil && n.Contains(ip) {
+			names <- o.Name
+			deleted++
+		}
+	}
+	close(names)
+	wg.Wait()
+	if failed.Load() > 0 {
+		must(fmt.Errorf("%d deletes failed", failed.Load()))
+	}
+	fmt.Printf("cleared=%d\n", deleted)
+}
+
+func clientFor(kubeconfig string) kubernetes.Interface {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	must(err)
 	// The apiserver's own allocator talks to itself unthrottled (loopback client); so does ours.
 	cfg.QPS, cfg.Burst = 1e6, 1e6
 	client, err := kubernetes.NewForConfig(cfg)
 	must(err)
+	return client
+}
+
+// ipaddresses: count dynamic allocations by concurrency callers through one IPAddress
+// allocator, each a create of an IPAddress object naming a Service "bench/s-<i>".
+func ipaddresses(client kubernetes.Interface, cidr string, count, concurrency int) {
 	factory := informers.NewSharedInformerFactory(client, 0)
 	informer := factory.Networking().V1().IPAddresses()
 	_, n, err := net.ParseCIDR(cidr)
@@ -145,9 +189,15 @@ func main() {
 	cidr := flag.String("cidr", "", "(with -kubeconfig) the range to allocate from")
 	count := flag.Int("count", 2000, "(with -kubeconfig) allocations")
 	concurrency := flag.Int("concurrency", 1, "(with -kubeconfig) callers at once")
+	clearRange := flag.Bool("clear", false, "(with -kubeconfig) delete the IPAddress objects in -cidr instead")
 	flag.Parse()
 	if *kubeconfig != "" {
-		ipaddresses(*kubeconfig, *cidr, *count, *concurrency)
+		client := clientFor(*kubeconfig)
+		if *clearRange {
+			clear(client, *cidr)
+		} else {
+			ipaddresses(client, *cidr, *count, *concurrency)
+		}
 		return
 	}
 	fill("10.96.0.0/12", *minFill)

@@ -88,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let started = Instant::now();
     use futures::StreamExt;
-    let results: Vec<(Duration, bool)> = futures::stream::iter((0..count).map(|i| {
+    let results: Vec<(Duration, Option<String>)> = futures::stream::iter((0..count).map(|i| {
         let api = api.clone();
         async move {
             let svc = Service {
@@ -98,14 +98,21 @@ async fn main() -> anyhow::Result<()> {
             };
             let t = Instant::now();
             let r = api.create(&PostParams::default(), &svc).await;
-            (t.elapsed(), r.is_ok())
+            (t.elapsed(), r.err().map(|e| e.to_string()))
         }
     }))
     .buffer_unordered(workers)
     .collect()
     .await;
     let wall = started.elapsed();
-    let failed = results.iter().filter(|r| !r.1).count();
+    let failed = results.iter().filter(|r| r.1.is_some()).count();
+    // Why creates failed: each distinct message once (at most 5), on stderr.
+    let mut why: Vec<&str> = results.iter().filter_map(|r| r.1.as_deref()).collect();
+    why.sort();
+    why.dedup();
+    for w in why.iter().take(5) {
+        eprintln!("webhook_burst: a create failed: {w}");
+    }
     let mut lat: Vec<Duration> = results.iter().map(|r| r.0).collect();
     lat.sort();
     let mean = lat.iter().sum::<Duration>() / lat.len().max(1) as u32;

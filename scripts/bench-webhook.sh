@@ -50,7 +50,7 @@ for backend in $BACKENDS; do
 
   # Without the webhook: the kube-apiserver's own allocator alone.
   scripts/dev-cluster.sh stop clusterip-controller >/dev/null 2>&1
-  plain=$("$burst" "$KUBECONFIG" bench-plain "$COUNT")
+  plain=$("$burst" "$KUBECONFIG" bench-plain "$COUNT") || { echo "bench-webhook: $backend: creates failed with the kube-apiserver alone: $plain" >&2; exit 1; }
   echo "# $backend: kube-apiserver alone:  $plain"
   # With it.
   scripts/dev-cluster.sh start clusterip-controller >/dev/null 2>&1
@@ -61,7 +61,7 @@ for backend in $BACKENDS; do
     case "$ip" in 198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*) break ;; esac
     sleep 0.2
   done
-  with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics")
+  with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics") || { echo "bench-webhook: $backend: creates failed with the webhook: $with" >&2; exit 1; }
   echo "# $backend: with clusterip webhook: $(echo "$with" | head -n 1)"
   mp50=$(get webhook_mutate_p50_ms "$with"); mp99=$(get webhook_mutate_p99_ms "$with")
   vp50=$(get webhook_validate_p50_ms "$with"); vp99=$(get webhook_validate_p99_ms "$with")

@@ -557,7 +557,7 @@ fn monitoring_component_renders() {
     metrics.webhook_latency("mutate", true, d, d);
     metrics.allocation("10.96.0.0/12", "dynamic", true, d);
     metrics.allocation("10.96.0.0/12", "dynamic", false, d);
-    metrics.set_usage("10.96.0.0/12", 1, 2, 0);
+    metrics.set_usage("10.96.0.0/12", 1, 2, 0, Some(100));
     metrics.set_unreadable(&[]);
     metrics.set_leading("clusterip-system/clusterip-controller", true);
     let exposed = metrics.encode();

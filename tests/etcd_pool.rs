@@ -67,6 +67,18 @@ async fn pooled_addresses_are_free_to_every_reader_and_not_leaks() {
         reader.allocated().await.map(|v| v == vec![ip]).unwrap_or(false)
     })
     .await;
+    // Each reader reports the stored map's size (`clusterip_allocator_map_bytes`): the value
+    // in etcd, as its watch last delivered it.
+    let key = reader.keys()[0].clone();
+    let key = &key;
+    let (fx_ref, reader_ref) = (&fx, &reader);
+    eventually("the reader's map size is the stored value's", Duration::from_secs(60), move || async move {
+        let mut client = etcd_client::Client::connect(fx_ref.cp.etcd_endpoints(), None).await.expect("etcd");
+        let stored = client.get(key.as_str(), None).await.expect("get the map").kvs().first().map(|kv| kv.value().len() as u64);
+        let reported = reader_ref.usage().await.ok().and_then(|u| u[0].map_bytes);
+        stored.is_some_and(|s| s > 0) && reported == stored
+    })
+    .await;
     assert!(!pool_keys(&fx).await.contains(&ip), "the pool key no longer lists a handed-out address");
 
     // The repair pass over these records finds one leak (no Service holds the handed-out

@@ -251,6 +251,8 @@ fn bad_bodies_get_a_clear_400_and_the_server_keeps_serving() {
         "clusterip_webhook_released_addresses_total{reason=\"in_flight_limit\"} 0",
         "clusterip_http_refused_connections_total{server=\"health\",reason=\"evicted\"} 0",
         "clusterip_allocator_allocation_errors_total{cidr=\"198.18.",
+        // The etcd allocation map's size, from the first scrape.
+        "clusterip_allocator_map_bytes{cidr=\"198.18.",
         // Per band of the range, from the first scrape.
         "clusterip_allocator_band_available_ips{cidr=\"198.18.",
         "\",band=\"static\"} ",

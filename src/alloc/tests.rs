@@ -243,3 +243,23 @@ fn kubernetes_range_allocation_data() {
     let e = AllocationMap::from_range_allocation(&c, &beyond).expect_err("beyond");
     assert!(e.to_string().contains("offset 254"), "{e}");
 }
+
+/// The stored size the docs give for an etcd allocation map (docs/operations.md, "The etcd
+/// allocation map's size"): random dynamic picks in a /64 cost ~26 bytes each; a full /112
+/// and a /108 with as many picks stay small.
+#[test]
+fn stored_map_sizes_match_the_docs() {
+    let size = |c: &str, n: u64| {
+        let mut m = AllocationMap::new(cidr(c));
+        let mut rng = StdRng::seed_from_u64(3);
+        for _ in 0..n {
+            m.allocate_next_with(&mut rng).expect("room");
+        }
+        m.snapshot().len()
+    };
+    let (slash64, slash108, slash112) = (size("fd00:1:2:3::/64", 40_000), size("fd00::/108", 40_000), size("fd00::/112", 65_535));
+    eprintln!("40k in a /64: {slash64} B; 40k in a /108: {slash108} B; a full /112: {slash112} B");
+    assert!((1_000_000..1_100_000).contains(&slash64), "40,000 random picks in a /64: {slash64} B, the docs say about 1 MiB");
+    assert!(slash108 < 128 * 1024, "40,000 random picks in a /108: {slash108} B");
+    assert!(slash112 < 16 * 1024, "a full /112: {slash112} B");
+}

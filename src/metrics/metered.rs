@@ -40,7 +40,7 @@ impl MeteredStore {
         self.metrics.set_unreadable(&self.unreadable());
         self.metrics.set_block_events(&self.inner.block_events());
         for u in self.inner.usage().await? {
-            self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free, u.pooled);
+            self.metrics.set_usage(&u.cidr.to_string(), u.used, u.free, u.pooled, u.map_bytes);
         }
         let allocated = self.inner.allocated().await?;
         self.metrics.set_bands(&crate::capacity::report(&self.inner.ranges(), &allocated, &[], 0));

@@ -8,6 +8,7 @@
 //! | `clusterip_allocator_allocated_ips` | gauge | cidr |
 //! | `clusterip_allocator_available_ips` | gauge | cidr |
 //! | `clusterip_allocator_pooled_ips` | gauge | cidr (etcd backend: free addresses held in replicas' address pools) |
+//! | `clusterip_allocator_map_bytes` | gauge | cidr (etcd backend: the range's allocation map as stored, bytes; etcd refuses a write past its `--max-request-bytes`, 1.5 MiB by default) |
 //! | `clusterip_allocator_band_allocated_ips` | gauge | cidr, band (static, dynamic) |
 //! | `clusterip_allocator_band_available_ips` | gauge | cidr, band (static, dynamic) |
 //! | `clusterip_allocator_unreadable_records` | gauge | kind (allocation_map, owner, ipaddress): stored records the allocator cannot read and refuses to act on |
@@ -119,6 +120,7 @@ pub struct Metrics {
     pub allocated_ips: Family<CidrLabels, Gauge>,
     pub available_ips: Family<CidrLabels, Gauge>,
     pub pooled_ips: Family<CidrLabels, Gauge>,
+    pub map_bytes: Family<CidrLabels, Gauge>,
     pub band_allocated_ips: Family<BandLabels, Gauge>,
     pub band_available_ips: Family<BandLabels, Gauge>,
     pub unreadable_records: Family<KindLabels, Gauge>,
@@ -170,6 +172,7 @@ impl Metrics {
             allocated_ips: Family::default(),
             available_ips: Family::default(),
             pooled_ips: Family::default(),
+            map_bytes: Family::default(),
             band_allocated_ips: Family::default(),
             band_available_ips: Family::default(),
             unreadable_records: Family::default(),
@@ -195,6 +198,11 @@ impl Metrics {
             "pooled_ips",
             "Gauge measuring the free IPs held ahead of need in the controller replicas' address pools (counted in available_ips)",
             m.pooled_ips.clone(),
+        );
+        alloc.register(
+            "map_bytes",
+            "Gauge measuring the size in bytes of the range's allocation map as stored in etcd (etcd backend); etcd refuses writes larger than its --max-request-bytes, 1.5 MiB by default",
+            m.map_bytes.clone(),
         );
         alloc.register(
             "band_allocated_ips",
@@ -352,8 +360,11 @@ impl Metrics {
         self.leader_election_master_status.get_or_create(&NameLabels { name: name.to_string() }).set(i64::from(leading));
     }
 
-    pub fn set_usage(&self, cidr: &str, used: u64, free: u64, pooled: u64) {
+    pub fn set_usage(&self, cidr: &str, used: u64, free: u64, pooled: u64, map_bytes: Option<u64>) {
         let l = CidrLabels { cidr: cidr.to_string() };
+        if let Some(b) = map_bytes {
+            self.map_bytes.get_or_create(&l).set(i64::try_from(b).unwrap_or(i64::MAX));
+        }
         self.pooled_ips.get_or_create(&l).set(i64::try_from(pooled).unwrap_or(i64::MAX));
         self.allocated_ips.get_or_create(&l).set(i64::try_from(used).unwrap_or(i64::MAX));
         self.available_ips.get_or_create(&l).set(i64::try_from(free).unwrap_or(i64::MAX));

@@ -119,6 +119,6 @@ impl AllocationStore for MemoryStore {
     }
 
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
-        Ok(self.state().0.iter().map(|m| RangeUsage { cidr: m.cidr().clone(), used: m.used(), free: m.free(), pooled: 0 }).collect())
+        Ok(self.state().0.iter().map(|m| RangeUsage { cidr: m.cidr().clone(), used: m.used(), free: m.free(), pooled: 0, map_bytes: None }).collect())
     }
 }

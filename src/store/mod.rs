@@ -368,6 +368,9 @@ pub struct RangeUsage {
     pub free: u64,
     /// Free addresses held ahead of need in controller replicas' address pools (etcd backend).
     pub pooled: u64,
+    /// The size of the range's allocation map as stored (etcd backend: its value, bytes),
+    /// which etcd refuses to write past its `--max-request-bytes` (1.5 MiB by default).
+    pub map_bytes: Option<u64>,
 }
 
 #[cfg(test)]

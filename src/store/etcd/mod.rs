@@ -150,6 +150,7 @@ impl EtcdStore {
                 map: AllocationMap::new(cidr.clone()),
                 stored: stored::Stored::as_configured(cidr),
                 revision: 0,
+                map_bytes: 0,
                 watched: 0,
                 pools: BTreeMap::new(),
                 owners: BTreeMap::new(),
@@ -530,7 +531,7 @@ impl AllocationStore for EtcdStore {
                 let mut pooled: BTreeSet<IpAddr> = v.pooled_by_others(member.as_deref()).map(|(ip, _)| ip).collect();
                 pooled.extend(self.pool.listing(i));
                 let pooled = pooled.into_iter().filter(|ip| v.map.has(*ip)).count() as u64;
-                RangeUsage { cidr: v.map.cidr().clone(), used: v.map.used() - pooled, free: v.map.free() + pooled, pooled }
+                RangeUsage { cidr: v.map.cidr().clone(), used: v.map.used() - pooled, free: v.map.free() + pooled, pooled, map_bytes: Some(v.map_bytes) }
             })
             .collect())
     }

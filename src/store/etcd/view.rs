@@ -41,6 +41,8 @@ pub(super) struct View {
     /// The stored map's range and what it holds outside ours (a range change in progress).
     pub(super) stored: Stored,
     pub(super) revision: i64,
+    /// The size of the stored map's value as last read (0: no map key yet).
+    pub(super) map_bytes: u64,
     /// Highest etcd revision read (by a get or the watch) under the range key's prefix.
     pub(super) watched: i64,
     /// Pool key (its name below `<range key>/pool/`: `<member>/<chunk>`) → the addresses it
@@ -155,6 +157,7 @@ fn apply(ctx: &RangeCtx, key: &str, value: Option<&[u8]>, mod_revision: i64) -> 
             if mod_revision <= v.revision {
                 return None;
             }
+            v.map_bytes = value.map_or(0, |b| b.len() as u64);
             match value {
                 Some(value) => match Stored::decode(&ctx.cidr, value) {
                     Ok((map, stored)) => {
@@ -233,23 +236,26 @@ pub(super) async fn reload(ctx: &RangeCtx) -> Result<Vec<ClaimToAnswer>, StoreEr
     let key = &ctx.key;
     let resp = read(&mut ctx.client.clone(), key, Some(GetOptions::new().with_prefix()), ctx.timeout).await?;
     let mut map = Some((AllocationMap::new(ctx.cidr.clone()), Stored::as_configured(&ctx.cidr)));
-    let mut revision = 0;
+    let (mut revision, mut map_bytes) = (0, 0);
     let mut unreadable = BTreeMap::new();
     let mut rest = Vec::new();
     for kv in resp.kvs() {
         let Ok(k) = kv.key_str() else { continue };
         match classify(key, k) {
-            Under::Map => match Stored::decode(&ctx.cidr, kv.value()) {
-                Ok(m) => {
-                    map = Some(m);
-                    revision = kv.mod_revision();
+            Under::Map => {
+                map_bytes = kv.value().len() as u64;
+                match Stored::decode(&ctx.cidr, kv.value()) {
+                    Ok(m) => {
+                        map = Some(m);
+                        revision = kv.mod_revision();
+                    }
+                    Err(e) => {
+                        warn!(%key, error = %e, "the allocation map in etcd is unreadable; allocating nothing from this range until `clusterip repair --rebuild`");
+                        unreadable.insert(key.clone(), ("allocation_map", e.to_string()));
+                        map = None;
+                    }
                 }
-                Err(e) => {
-                    warn!(%key, error = %e, "the allocation map in etcd is unreadable; allocating nothing from this range until `clusterip repair --rebuild`");
-                    unreadable.insert(key.clone(), ("allocation_map", e.to_string()));
-                    map = None;
-                }
-            },
+            }
             Under::Other => {}
             _ => rest.push((k.to_string(), kv.value().to_vec(), kv.mod_revision())),
         }
@@ -263,6 +269,7 @@ pub(super) async fn reload(ctx: &RangeCtx) -> Result<Vec<ClaimToAnswer>, StoreEr
             v.revision = revision;
         }
         v.unreadable = unreadable;
+        v.map_bytes = map_bytes;
         v.pools.clear();
         v.owners.clear();
         v.watched = resp.header().map(|h| h.revision()).unwrap_or(revision);

@@ -337,7 +337,7 @@ impl AllocationStore for IpAddressStore {
     async fn usage(&self) -> Result<Vec<RangeUsage>, StoreError> {
         self.check_ready()?;
         let st = lock(&self.state);
-        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free(), pooled: 0 }).collect())
+        Ok(st.ranges.iter().map(|r| RangeUsage { cidr: r.cidr.clone(), used: r.observed.used(), free: r.observed.free(), pooled: 0, map_bytes: None }).collect())
     }
 }
 

@@ -966,7 +966,7 @@ impl AllocationStore for BlockStore {
             .iter()
             .map(|c| {
                 let used = all.iter().filter(|ip| c.contains(**ip)).count() as u64;
-                RangeUsage { cidr: c.clone(), used, free: c.size().saturating_sub(used), pooled: 0 }
+                RangeUsage { cidr: c.clone(), used, free: c.size().saturating_sub(used), pooled: 0, map_bytes: None }
             })
             .collect())
     }

@@ -165,14 +165,25 @@ impl Controller {
 impl Drop for Controller {
     fn drop(&mut self) {
         self.kill();
-        // A failing test shows what each of its controllers said last (the log goes with
-        // the directory).
+        // A failing test shows what each of its controllers said last, and what its servers
+        // decided about connections (a refusal, a close), from anywhere in the log; the whole
+        // log is kept under the target directory (the controller's own directory goes).
         if std::thread::panicking() {
             let log = self.log();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             eprintln!("--- the last {} lines of controller {} (pid {}) ---", tail.len(), self.dir.display(), self.child.id());
             for line in tail.iter().rev() {
                 eprintln!("{line}");
+            }
+            let decisions: Vec<&str> = log.lines().filter(|l| l.contains("clusterip_serve") && !l.contains("connection ended with an error")).take(40).collect();
+            eprintln!("--- its servers' connection decisions ({} shown) ---", decisions.len());
+            for line in decisions {
+                eprintln!("{line}");
+            }
+            let kept = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("failed-controllers");
+            let name = self.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "controller".into());
+            if std::fs::create_dir_all(&kept).is_ok() && std::fs::write(kept.join(format!("{name}.log")), &log).is_ok() {
+                eprintln!("--- the whole log: {} ---", kept.join(format!("{name}.log")).display());
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);

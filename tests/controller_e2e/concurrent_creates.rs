@@ -19,6 +19,17 @@ async fn concurrent_creates(backend: &str, n: usize, slice: Slice) {
         async move { api.create(&PostParams::default(), &service(&format!("burst-{i}"), |_| {})).await }
     }))
     .await;
+    // A create that failed: with it, what each replica's servers refused or closed (a
+    // connection refused at a limit reaches the apiserver as "EOF").
+    if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+        let mut refused = String::new();
+        for c in &wh.children {
+            let metrics = clusterip_test_support::local_get(c.metrics_port, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+            let lines: Vec<&str> = metrics.lines().filter(|l| l.contains("refused_connections_total{") && !l.ends_with(" 0")).collect();
+            refused.push_str(&format!("\n  replica pid {}: {lines:?}", c.pid()));
+        }
+        panic!("every concurrent create succeeds: {} of {n} failed, e.g. {e}; refused or closed connections per replica:{refused}", results.iter().filter(|r| r.is_err()).count());
+    }
     let mut seen = BTreeSet::new();
     for r in results {
         let svc = r.expect("every concurrent create succeeds");

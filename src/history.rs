@@ -179,19 +179,16 @@ impl Entry {
     pub fn parse(line: &str) -> Option<Entry> {
         let mut f = line.split_whitespace();
         let at = f.next()?.parse().ok()?;
-        let change = match f.next()? {
+        let sign = f.next()?;
+        let address = crate::cidr::parse_ip(f.next()?).ok()?;
+        let (parent, manager) = (f.next()?.to_string(), f.next()?.to_string());
+        let change = match sign {
             "+" => Transition::Allocated,
             "-" => Transition::Released,
             "~" => Transition::ReleasedBefore,
-            "!" => Transition::Decided(Decision::ALL[0]),
-            _ => return None,
-        };
-        let address = crate::cidr::parse_ip(f.next()?).ok()?;
-        let (parent, manager) = (f.next()?.to_string(), f.next()?.to_string());
-        let change = match change {
             // (A decision this version does not know is skipped, as a bad line is.)
-            Transition::Decided(_) => Transition::Decided(Decision::parse(f.next()?)?),
-            other => other,
+            "!" => Transition::Decided(Decision::parse(f.next()?)?),
+            _ => return None,
         };
         Some(Entry { at, change, address, parent, manager })
     }

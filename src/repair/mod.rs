@@ -211,12 +211,10 @@ impl Repairer {
             Action::Replace => Decision::RepairReplaced,
             _ => return,
         };
-        let parent = match (&f.service, f.record.as_ref().and_then(|r| r.parent.as_ref())) {
-            (Some((ns, name)), _) if decision != Decision::RepairReleased => Some(ParentRef::service(ns, name)),
-            (_, Some(p)) => Some(p.clone()),
-            (Some((ns, name)), None) => Some(ParentRef::service(ns, name)),
-            (None, None) => None,
-        };
+        // A release names the record it deleted; a record made names its Service.
+        let service = f.service.as_ref().map(|(ns, name)| ParentRef::service(ns, name));
+        let record = f.record.as_ref().and_then(|r| r.parent.clone());
+        let parent = if decision == Decision::RepairReleased { record.or(service) } else { service.or(record) };
         history.note(ip, parent.as_ref(), decision);
     }
 

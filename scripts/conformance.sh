@@ -128,7 +128,24 @@ save_logs() {
   done
 }
 
+# When the suite failed, what its pods met, in few enough lines to stay in a CI log's tail:
+# the events e2e.test dumped for the failed specs other than a normal start, the nodes'
+# conditions and taints, kubelet's most frequent errors. (Everything is in $out.)
+why_failed() {
+  [ -f "$out/e2e.log" ] || return 0
+  log "why: events of the failed specs other than a normal start (count, reason: message):"
+  grep -h 'dump.go:53\] At .* - event for ' "$out/e2e.log" | sed -E 's/^.* - event for [^:]*: \{[^}]*\} //' |
+    grep -vE '^(Scheduled|Pulling|Pulled|Created|Started|Killing|SuccessfulCreate|SuccessfulDelete):' |
+    cut -c1-200 | sort | uniq -c | sort -rn | head -n 8 >&2 || true
+  log "why: nodes (conditions that are True, taints):"
+  "$node" kubectl get nodes -o jsonpath='{range .items[*]}  {.metadata.name}: {range .status.conditions[?(@.status=="True")]}{.type} {end}taints: {.spec.taints[*].key}{"\n"}{end}' >&2 2>/dev/null || true
+  log "why: kubelet's most frequent errors (logs/kubelet.log):"
+  grep -h '^E[0-9]' "$CLUSTERIP_NODE_DIR"/logs/kubelet.log "$CLUSTERIP_NODE_DIR"/logs/node-*/kubelet.log 2>/dev/null |
+    sed -E 's/^E[0-9]+ [0-9:.]+ +[0-9]+ //' | cut -c1-200 | sort | uniq -c | sort -rn | head -n 5 >&2 || true
+}
+
 e2e_pid=
+e2e_ran=
 finish() {
   local rc=$?
   # (TERM to `timeout`: it passes it on to run-capped, which ends e2e.test and what it ran.)
@@ -136,6 +153,7 @@ finish() {
     log "stopping e2e.test"
     kill -TERM "$e2e_pid" 2>/dev/null; wait "$e2e_pid" 2>/dev/null
   fi
+  [ "$rc" = 0 ] || [ -z "$e2e_ran" ] || why_failed
   save_logs
   "$node" down >&2 || true
   "$node" reap >&2 || true
@@ -197,6 +215,7 @@ e2e_pid=$!
 wait "$e2e_pid"
 e2e_rc=$?
 e2e_pid=
+e2e_ran=1
 log "e2e.test exited $e2e_rc after $((SECONDS - t0))s"
 grep -E '^(Ran [0-9]+ of|FAIL!|SUCCESS!|run-capped:)' "$out/e2e.log" >&2 || tail -n 20 "$out/e2e.log" >&2
 

@@ -271,6 +271,30 @@ async fn pools_never_make_a_range_look_full_before_it_is() {
     cleanup(&fx).await;
 }
 
+/// Static requests for every address of a range, sent as the replica opens, race its pool's
+/// first fill: the fill can record an address in the same transaction as (or just before)
+/// the static request for it is decided, while the replica's pool learns of it only when the
+/// transaction returns. Each is granted all the same (a pooled address is free), as it was
+/// once the pool listed it. (The soak saw one refused "provided IP is already allocated".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn static_requests_racing_the_first_fill_are_all_granted() {
+    // /26: 62 usable, static band 16, dynamic 46: a pool of 5 from the dynamic band.
+    let cidr = "198.18.94.0/26";
+    let all: Vec<IpAddr> = (1..63u32).map(|i| IpAddr::V4(std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(198, 18, 94, 0)) + i))).collect();
+    for round in 0..10 {
+        let fx = Fixture::new(Backend::Etcd, &[cidr]).await;
+        let store = open(&fx, 64).await;
+        let store = &store;
+        let results = futures::future::join_all(all.iter().map(|ip| async move { (*ip, store.allocate(*ip, None).await) })).await;
+        let refused: Vec<String> = results.iter().filter_map(|(ip, r)| r.as_ref().err().map(|e| format!("{ip}: {e}"))).collect();
+        assert!(refused.is_empty(), "round {round}: every free address is granted to a static request, refused: {refused:?}");
+        assert_eq!(store.allocated().await.expect("allocated"), all, "round {round}: every address is a record");
+        assert_eq!(store.pooled(), vec![0], "round {round}: nothing is left pooled");
+        drop(results);
+        cleanup(&fx).await;
+    }
+}
+
 /// The pool keys of the fixture's first range, by name below `<range key>/pool/`: (value,
 /// mod revision).
 async fn pool_key_revisions(fx: &Fixture) -> BTreeMap<String, (Vec<u8>, i64)> {

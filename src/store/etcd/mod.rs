@@ -397,16 +397,24 @@ impl AllocationStore for EtcdStore {
             enqueue(&self.per_range[range].queue, Op::SyncPool);
             return self.own(range, ip, owner).await;
         }
-        let pooled_by = lock(&self.per_range[range].view).pool_owner(ip).map(str::to_string);
-        if let Some(pooled_by) = pooled_by {
-            if self.pool.lease().map(|l| l.member()) == Some(pooled_by.clone()) {
-                // Our pool key still lists it, but our pool no longer holds it: handed out.
-                return Err(StoreError::Alloc(AllocError::Allocated));
-            }
+        let own = self.pool.lease().map(|l| l.member());
+        let other_pool = lock(&self.per_range[range].view).pool_owner(ip).map(str::to_string).filter(|m| Some(m) != own.as_ref());
+        if let Some(pooled_by) = other_pool {
             self.claim(range, ip, pooled_by).await?;
             return self.own(range, ip, owner).await;
         }
-        self.submit(range, Op::Allocate(ip, owner)).await.map(|_| ())
+        // (Listed in our own pool key but not in our pool: handed out, and then the map
+        // holds it; or released since, and then it is free. The map decides.)
+        match self.submit(range, Op::Allocate(ip, owner.clone())).await {
+            // A fill of our pool recorded it before this request was decided: its addresses
+            // reach the pool when its transaction returns, which is before this reply.
+            // Pooled here, so free: granted, as any static request for a pooled address.
+            Err(StoreError::Alloc(AllocError::Allocated)) if self.pool.take(range, ip) => {
+                enqueue(&self.per_range[range].queue, Op::SyncPool);
+                self.own(range, ip, owner).await
+            }
+            r => r.map(|_| ()),
+        }
     }
 
     async fn allocate_next(&self, family: Family, parent: Option<&ParentRef>) -> Result<IpAddr, StoreError> {

@@ -406,11 +406,20 @@ impl AllocationStore for EtcdStore {
         // (Listed in our own pool key but not in our pool: handed out, and then the map
         // holds it; or released since, and then it is free. The map decides.)
         match self.submit(range, Op::Allocate(ip, owner.clone())).await {
-            // A fill of our pool recorded it before this request was decided: its addresses
-            // reach the pool when its transaction returns, which is before this reply.
-            // Pooled here, so free: granted, as any static request for a pooled address.
-            Err(StoreError::Alloc(AllocError::Allocated)) if self.pool.take(range, ip) => {
-                enqueue(&self.per_range[range].queue, Op::SyncPool);
+            // A fill may have recorded it a moment before this request was decided. Ours: its
+            // addresses reach the pool when its transaction returns, which is before this
+            // reply. Another replica's: its pool key, written with the map, is in etcd
+            // although our watch may not have listed it yet. Pooled, so free: granted, as any
+            // static request for a pooled address.
+            Err(StoreError::Alloc(AllocError::Allocated)) => {
+                if self.pool.take(range, ip) {
+                    enqueue(&self.per_range[range].queue, Op::SyncPool);
+                    return self.own(range, ip, owner).await;
+                }
+                let Some(pooled_by) = self.pooled_elsewhere(range, ip).await? else {
+                    return Err(StoreError::Alloc(AllocError::Allocated));
+                };
+                self.claim(range, ip, pooled_by).await?;
                 self.own(range, ip, owner).await
             }
             r => r.map(|_| ()),

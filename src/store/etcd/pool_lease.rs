@@ -8,16 +8,16 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use crate::alloc::AllocError;
-use super::pool::{claim_key, pool_member, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_LEASE_TTL_S, CLAIM_TIMEOUT, LEASE_MARGIN, LEASE_TTL};
+use super::pool::{claim_key, decode_pool, pool_member, pool_prefix, Claim, ClaimAnswer, LeaseState, OwnPool, CLAIM_LEASE_TTL_S, CLAIM_TIMEOUT, LEASE_MARGIN, LEASE_TTL};
 use crate::store::{Cause, StoreError};
 use crate::sync::lock;
 
-use super::client::{call, EtcdError};
+use super::client::{call, read, EtcdError};
 use super::queue::{enqueue, Request};
 use super::view::ClaimToAnswer;
 use super::decide::{in_static_band, Op};
@@ -35,6 +35,20 @@ impl EtcdStore {
             // Refused (handed out), or another request is claiming it right now.
             Some(ClaimAnswer::Refused) | None => Err(StoreError::Alloc(AllocError::Allocated)),
         }
+    }
+
+    /// The replica other than this one whose pool key lists `ip`, read from etcd rather
+    /// than from the watched copy, which may not yet have seen a fill that just recorded it.
+    pub(super) async fn pooled_elsewhere(&self, range: usize, ip: IpAddr) -> Result<Option<String>, StoreError> {
+        let prefix = pool_prefix(&self.per_range[range].key);
+        let resp = read(&mut self.client.clone(), &prefix, Some(GetOptions::new().with_prefix()), self.timeout).await?;
+        let own = self.pool.lease().map(|l| l.member());
+        Ok(resp
+            .kvs()
+            .iter()
+            .filter(|kv| decode_pool(kv.value()).contains(&ip))
+            .filter_map(|kv| kv.key_str().ok()?.strip_prefix(prefix.as_str()).map(|name| pool_member(name).to_string()))
+            .find(|member| Some(member) != own.as_ref()))
     }
 
     /// Write a claim on `ip` and wait for `owner`'s answer. None: another request of any

@@ -4,9 +4,13 @@
 //! A budget that any client can fill is a denial of service waiting to happen: the kubelet's
 //! probes and the kube-apiserver's admission calls share their server with whoever else can
 //! reach the port. So the book
-//! - caps the connections a source address may hold while *unauthenticated* (a TLS
-//!   handshake in progress; on a plain-HTTP server, every connection): the next one from
-//!   that source is closed at once ([`Admission::SourceFull`]);
+//! - caps what a source address may hold while *unauthenticated*. On a plain-HTTP server
+//!   (every connection unauthenticated) the next connection from a source at its cap is
+//!   closed at once ([`Admission::SourceFull`]). On a TLS server the cap is on handshakes in
+//!   progress: the next connection waits for one of its source's handshakes to end
+//!   ([`Slot::handshake_turn`], in arrival order), as the kube-apiserver dials dozens of
+//!   connections at once in a burst of admissions (a 500-Service burst here: 16–43 at once
+//!   per replica), and a connection closed in its handshake fails an admission with "EOF";
 //! - at the server's total cap, closes an open connection to make room instead of letting
 //!   newcomers wait ([`victim`]): never one with a request in flight, unauthenticated before
 //!   authenticated, from the source holding the most, idle the longest. Only when every open
@@ -23,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::lock;
 
@@ -164,14 +168,22 @@ pub(super) enum Admission {
 pub(super) struct Book {
     max: usize,
     per_source: usize,
+    /// A TLS server's: a source at its cap waits for a handshake turn instead of being
+    /// closed ([`Slot::handshake_turn`]).
+    turns: bool,
     entries: Mutex<Entries>,
+    /// Handshakes each source may start now (TLS servers), removed once nobody of the source
+    /// holds or waits for one.
+    handshakes: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
     /// Told when a connection closes or a request ends.
     changed: Arc<Notify>,
 }
 
 impl Book {
-    pub(super) fn new(max: usize, per_source: usize) -> Arc<Self> {
-        Arc::new(Self { max: max.max(1), per_source: per_source.max(1), entries: Mutex::default(), changed: Arc::new(Notify::new()) })
+    /// A book of at most `max` connections. `per_source`: the unauthenticated connections a
+    /// source may hold (plain HTTP), or with `turns` the TLS handshakes it may run at once.
+    pub(super) fn new(max: usize, per_source: usize, turns: bool) -> Arc<Self> {
+        Arc::new(Self { max: max.max(1), per_source: per_source.max(1), turns, entries: Mutex::default(), handshakes: Mutex::default(), changed: Arc::new(Notify::new()) })
     }
 
     /// Take a slot for a connection from `peer`, closing another to make room if the server
@@ -179,7 +191,7 @@ impl Book {
     pub(super) fn admit(self: &Arc<Self>, peer: IpAddr) -> Admission {
         let source = source_of(peer);
         let mut e = lock(&self.entries);
-        if e.unauthenticated.get(&source).copied().unwrap_or(0) >= self.per_source {
+        if !self.turns && e.unauthenticated.get(&source).copied().unwrap_or(0) >= self.per_source {
             return Admission::SourceFull;
         }
         let mut evicted = false;
@@ -205,7 +217,13 @@ impl Book {
         let evict = Arc::new(Notify::new());
         e.open.insert(id, Open { source, authenticated: false, activity: activity.clone(), evict: evict.clone() });
         *e.unauthenticated.entry(source).or_default() += 1;
-        Admission::Admitted { slot: Slot { book: self.clone(), id, activity, evict }, evicted }
+        Admission::Admitted { slot: Slot { book: self.clone(), id, source, activity, evict }, evicted }
+    }
+
+    /// The source's handshake semaphore, a reference to it counted until dropped.
+    fn handshakes_of(self: &Arc<Self>, source: IpAddr) -> SourceHandshakes {
+        let sem = lock(&self.handshakes).entry(source).or_insert_with(|| Arc::new(Semaphore::new(self.per_source))).clone();
+        SourceHandshakes { book: self.clone(), source, sem: Some(sem) }
     }
 
     /// Resolves after a connection closes or a request ends (or at once if one did since
@@ -220,15 +238,55 @@ impl Book {
     }
 }
 
+/// A reference to a source's handshake semaphore; the last one dropped while no handshake
+/// of the source runs removes the semaphore.
+struct SourceHandshakes {
+    book: Arc<Book>,
+    source: IpAddr,
+    sem: Option<Arc<Semaphore>>,
+}
+
+impl Drop for SourceHandshakes {
+    fn drop(&mut self) {
+        let mut all = lock(&self.book.handshakes);
+        drop(self.sem.take());
+        if all.get(&self.source).is_some_and(|s| Arc::strong_count(s) == 1 && s.available_permits() == self.book.per_source) {
+            all.remove(&self.source);
+        }
+    }
+}
+
+/// A TLS handshake's turn ([`Slot::handshake_turn`]); dropping it lets the next one of the
+/// source start.
+pub(super) struct Turn {
+    // (Declared first, so released before the reference checks whether anyone is left.)
+    _permit: Option<OwnedSemaphorePermit>,
+    _source: SourceHandshakes,
+}
+
 /// One admitted connection's place in the book; dropping it frees the place.
 pub(super) struct Slot {
     book: Arc<Book>,
     id: u64,
+    source: IpAddr,
     pub(super) activity: Arc<Activity>,
     evict: Arc<Notify>,
 }
 
 impl Slot {
+    /// Wait for a turn to run this connection's TLS handshake: at most the book's
+    /// `per_source` handshakes of one source run at once, the others wait here in arrival
+    /// order (the caller bounds the wait).
+    pub(super) async fn handshake_turn(&self) -> Turn {
+        let source = self.book.handshakes_of(self.source);
+        // (Acquiring fails only on a closed semaphore, and these are never closed.)
+        let permit = match &source.sem {
+            Some(sem) => sem.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        Turn { _permit: permit, _source: source }
+    }
+
     /// The client proved who it is (its TLS handshake finished with a valid certificate):
     /// it no longer counts against its source's unauthenticated connections, and is closed
     /// to make room only when no unauthenticated connection can be.
@@ -302,7 +360,7 @@ mod tests {
 
     #[test]
     fn a_source_may_hold_only_its_share_of_unauthenticated_connections() {
-        let book = Book::new(100, 2);
+        let book = Book::new(100, 2, false);
         let a = ip("198.18.0.1");
         let s1 = match book.admit(a) {
             Admission::Admitted { slot, evicted: false } => slot,
@@ -325,6 +383,42 @@ mod tests {
         assert!(matches!(book.admit(ip("::ffff:198.18.0.1")), Admission::SourceFull));
     }
 
+    /// A TLS server's book admits every connection; a source runs its share of handshakes at
+    /// once and the others wait their turn in order, and nothing of a source is kept once
+    /// none of its connections holds or waits for a turn.
+    #[tokio::test]
+    async fn a_tls_source_over_its_share_waits_for_a_handshake_turn_instead_of_being_closed() {
+        let book = Book::new(100, 2, true);
+        let slot = |a: Admission| match a {
+            Admission::Admitted { slot, .. } => slot,
+            _ => panic!("a TLS server closed a connection at its source's share"),
+        };
+        let a = ip("198.18.0.1");
+        let slots: Vec<Slot> = (0..4).map(|_| slot(book.admit(a))).collect();
+        let first = slots[0].handshake_turn().await;
+        let _second = slots[1].handshake_turn().await;
+        let short = Duration::from_millis(50);
+        assert!(tokio::time::timeout(short, slots[2].handshake_turn()).await.is_err(), "a third handshake of the source ran beside two");
+        // Another source has turns of its own.
+        let other = slot(book.admit(ip("198.18.0.2")));
+        let other_turn = tokio::time::timeout(Duration::from_secs(5), other.handshake_turn()).await.expect("another source waits for nobody");
+        // The waiters go in order: the third when the first turn ends, then the fourth.
+        let third = tokio::spawn({
+            let s = slots.into_iter().skip(2).collect::<Vec<_>>();
+            async move {
+                let t = s[0].handshake_turn().await;
+                (t, s)
+            }
+        });
+        tokio::task::yield_now().await;
+        drop(first);
+        let (third_turn, rest) = tokio::time::timeout(Duration::from_secs(5), third).await.expect("the waiter got the freed turn").expect("task");
+        assert!(tokio::time::timeout(short, rest[1].handshake_turn()).await.is_err(), "two turns are held again");
+        drop((third_turn, _second, other_turn));
+        tokio::time::timeout(Duration::from_secs(5), rest[1].handshake_turn()).await.expect("turns free again");
+        assert!(lock(&book.handshakes).is_empty(), "a source with no handshake held or awaited is forgotten");
+    }
+
     #[test]
     fn a_connection_is_idle_after_the_first_wait_before_its_first_request_and_the_later_one_after() {
         let a = Arc::new(Activity::new(Arc::new(Notify::new())));
@@ -338,7 +432,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_book_closes_an_idle_connection_for_a_newcomer_and_waits_only_when_all_are_busy() {
-        let book = Book::new(2, 10);
+        let book = Book::new(2, 10, false);
         let slot = |a: Admission| match a {
             Admission::Admitted { slot, .. } => slot,
             _ => panic!("not admitted"),

@@ -11,10 +11,11 @@
 //!   request in flight is closed (GOAWAY) after `read_timeout` before its first request
 //!   and after [`Limits::idle_timeout`] later;
 //! - send a body slowly: the handler bounds its own body read (the webhook answers 408);
-//! - hold many connections: a source address may hold at most
-//!   [`Limits::max_unauthenticated_per_source`] connections that have not proven who they
-//!   are (a TLS handshake in progress; every connection of a plain-HTTP server), further
-//!   ones are closed at once; at [`Limits::max_connections`] an idle connection (no request
+//! - hold many connections: a source address may run at most
+//!   [`Limits::max_unauthenticated_per_source`] TLS handshakes at once, further connections
+//!   wait for a turn (closed when none came within `read_timeout`), and on a plain-HTTP
+//!   server it may hold at most that many connections, further ones closed at once; at
+//!   [`Limits::max_connections`] an idle connection (no request
 //!   in flight; unauthenticated first, from the source holding the most) is closed to make
 //!   room for the newcomer ([`book`]), and only when every connection has a request in
 //!   flight do new ones wait in the kernel's backlog. So idle or half-open connections,
@@ -68,8 +69,9 @@ pub struct Limits {
     /// Connections served at once; at the cap an idle one is closed for a newcomer (module
     /// docs), and only when none is idle do newcomers wait in the kernel's accept queue.
     pub max_connections: usize,
-    /// Connections one source address may hold before it has authenticated (TLS handshake
-    /// in progress; on a plain-HTTP server, all of its connections); more are closed at once.
+    /// TLS handshakes one source address may run at once (more connections wait for a turn,
+    /// at most `read_timeout`); on a plain-HTTP server, the connections it may hold (more are
+    /// closed at once).
     pub max_unauthenticated_per_source: usize,
     /// HTTP/2 streams (requests) in flight on one connection.
     pub max_streams: u32,
@@ -118,7 +120,8 @@ pub enum Refusal {
     Handshake,
     /// The handshake did not finish within the read timeout.
     HandshakeTimeout,
-    /// Its source already held as many unauthenticated connections as it may.
+    /// Its source already held as many unauthenticated connections as it may (plain HTTP),
+    /// or ran as many handshakes for all of `read_timeout` (TLS).
     SourceLimit,
     /// Closed without a request in flight to make room for a newcomer at the connection cap.
     Evicted,
@@ -187,7 +190,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 /// Serve until `stop` turns true, then drain for at most `drain_timeout` (module docs).
 pub async fn serve<H: Handler>(listener: TcpListener, server: Server<H>, mut stop: watch::Receiver<bool>, drain_timeout: Duration) {
     let server = Arc::new(server);
-    let book = Book::new(server.limits.max_connections, server.limits.max_unauthenticated_per_source);
+    let book = Book::new(server.limits.max_connections, server.limits.max_unauthenticated_per_source, server.tls.is_some());
     let full = Throttled::new(Duration::from_secs(10));
     let refused = Arc::new(Throttled::new(Duration::from_secs(10)));
     let mut backoff = Duration::ZERO;
@@ -277,6 +280,20 @@ async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: Socket
     let Some(acceptor) = &server.tls else {
         return http(server, tcp, false, peer, slot, stop, drain_timeout).await;
     };
+    // At most max_unauthenticated_per_source handshakes of one source at once; the others
+    // wait their turn here, for at most the read timeout.
+    let turn = tokio::select! {
+        t = tokio::time::timeout(limits.read_timeout, slot.handshake_turn()) => t,
+        _ = slot.evicted() => {
+            debug!(server = server.name, %peer, "closed a connection waiting for a TLS handshake turn to make room for a new one");
+            return;
+        }
+    };
+    let Ok(turn) = turn else {
+        debug!(server = server.name, %peer, limit = limits.max_unauthenticated_per_source, timeout = ?limits.read_timeout, "closed a connection: its source's handshakes in progress left it no turn in time");
+        server.count(Refusal::SourceLimit);
+        return;
+    };
     let handshake = tokio::select! {
         h = tokio::time::timeout(limits.read_timeout, acceptor.accept(tcp)) => h,
         _ = slot.evicted() => {
@@ -284,6 +301,7 @@ async fn connection<H: Handler>(server: &Server<H>, tcp: TcpStream, peer: Socket
             return;
         }
     };
+    drop(turn);
     let refusal = match handshake {
         Ok(Ok(tls)) => {
             // A finished handshake counts as authenticated: the caller's TLS configuration

@@ -115,10 +115,11 @@ pub struct ControllerArgs {
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub webhook_max_connections: u32,
 
-    /// Webhook connections one client address may hold before its TLS handshake has
-    /// finished with a valid client certificate; more are closed at once. Bounds what a
-    /// client without the kube-apiserver's certificate can hold; the apiserver's own
-    /// connections finish their handshake in milliseconds.
+    /// TLS handshakes one client address may run at once on the webhook port; its further
+    /// connections wait for a turn (in arrival order) and are closed when none came within
+    /// --webhook-read-timeout. Bounds the handshake work one client can cause; the
+    /// kube-apiserver dials dozens of connections at once in a burst of admissions, which
+    /// wait rather than fail.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub webhook_max_unauthenticated_connections_per_source: u32,
 

@@ -14,12 +14,17 @@
 #      backend; once the apiserver's own IPAddress repair has caught up (it records every
 #      injected Service), the same timed pass over REAL + COUNT + 1 Services.
 #   3. synthetic, 50k: COUNT addresses recorded in the real etcd backend; one pass in-process
-#      over COUNT synthetic Services fed as list pages of JSON, with VmHWM.
+#      over COUNT synthetic Services fed as list pages of JSON (with managedFields, as the
+#      apiserver lists them), with VmHWM; the same pages also decoded as whole Services (how
+#      the pass read them before ServiceSummary), timed beside.
+#   4. with MILLION=N (e.g. 1000000): part 3 at N Services in an IPv6 /108 (a few minutes
+#      per run; BENCH_MEM_MIB=8192).
 # Every pass must find its cluster consistent (exit 0).
 #
 #   scripts/bench-repair.sh                              # COUNT=10000 REAL=1000 RUNS=3 (minutes)
 #   COUNT=50000 REAL=2000 scripts/bench-repair.sh        # the documented 50k run (~15 min;
 #                                                        # BENCH_MEM_MIB=8192 to be safe)
+#   MILLION=1000000 BENCH_MEM_MIB=8192 scripts/bench-repair.sh   # and a pass over a million
 #
 # Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
 # a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
@@ -30,6 +35,7 @@ cd "$repo"
 COUNT=${COUNT:-10000}
 REAL=${REAL:-1000}
 RUNS=${RUNS:-3}
+MILLION=${MILLION:-0}
 CIDR=198.18.0.0/16
 target=${CARGO_TARGET_DIR:-$repo/target}
 # shellcheck source=lib/run.sh
@@ -85,5 +91,14 @@ for i in $(seq "$RUNS"); do pass /clusterip-bench/real "real list run $i"; done
 
 echo "== 3. synthetic: $COUNT Services (list pages decoded in-process) + real etcd records"
 for i in $(seq "$RUNS"); do
-  "$helper" synthetic "$CLUSTERIP_ETCD_ENDPOINTS" "/clusterip-bench/synthetic-$i" "$CIDR" "$COUNT"
+  "$helper" synthetic "$CLUSTERIP_ETCD_ENDPOINTS" "/clusterip-bench/synthetic-$i" "$CIDR" "$COUNT" --compare-whole
 done
+
+if [ "$MILLION" != 0 ]; then
+  # The pages' Services hold addresses of an IPv6 /108 (2^20 addresses; 198.18.0.0/16 holds
+  # 65,536), recorded in the real etcd backend first.
+  echo "== 4. synthetic: $MILLION Services in fd00:18:1::/108 (list pages decoded in-process) + real etcd records"
+  for i in $(seq "$RUNS"); do
+    "$helper" synthetic "$CLUSTERIP_ETCD_ENDPOINTS" "/clusterip-bench/million-$i" fd00:18:1::/108 "$MILLION" $([ "$i" = 1 ] && echo --compare-whole)
+  done
+fi

@@ -15,7 +15,12 @@ pub const RESERVED: &str = "clusterip.allocator/reserved";
 /// list, blanks dropped.
 pub fn reserved(meta: &ObjectMeta) -> Vec<String> {
     let Some(value) = meta.annotations.as_ref().and_then(|a| a.get(RESERVED)) else { return Vec::new() };
-    value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect()
+    reserved_in(value).map(str::to_string).collect()
+}
+
+/// The addresses a [`RESERVED`] annotation's value names.
+pub fn reserved_in(value: &str) -> impl Iterator<Item = &str> {
+    value.split(',').map(str::trim).filter(|s| !s.is_empty())
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ fn svc(ns: &str, name: &str, created: i64, ips: &[&str]) -> ServiceView {
         uid: Some(format!("uid-{name}")),
         created: Some(created),
         cluster_ips: ips.iter().map(|s| s.to_string()).collect(),
-        assigned_by_us: Vec::new(),
+        reserved: None,
     }
 }
 
@@ -118,7 +118,7 @@ fn out_of_range_only_for_addresses_we_assigned() {
     let r = decide(&etcd(), std::slice::from_ref(&foreign), &map(&[]), &mut LeakCounts::default());
     assert!(r.findings.is_empty());
     assert_eq!(r.foreign, 1);
-    foreign.assigned_by_us = vec!["10.0.1.5".into()];
+    foreign.reserved = Some("10.0.1.5".into());
     let r = decide(&etcd(), &[foreign.clone()], &map(&[]), &mut LeakCounts::default());
     let f = only(&r);
     assert_eq!((f.kind, &f.action), (Kind::OutOfRange, &Action::Event));
@@ -155,7 +155,7 @@ fn out_of_range_against_the_clusters_own_ranges() {
 #[test]
 fn network_and_broadcast_are_out_of_range() {
     let mut s = svc("a", "edge", 1, &["10.0.0.0", "10.0.0.255"]);
-    s.assigned_by_us = s.cluster_ips.clone();
+    s.reserved = Some(s.cluster_ips.join(",").into());
     let r = decide(&etcd(), &[s], &map(&[]), &mut LeakCounts::default());
     assert_eq!(r.count(Kind::OutOfRange), 2);
 }
@@ -164,7 +164,7 @@ fn network_and_broadcast_are_out_of_range() {
 fn family_not_configured() {
     let cfg = Config { ranges: vec![ServiceCidr::parse("10.0.0.0/24").unwrap()], ..etcd() };
     let mut s = svc("a", "v6", 1, &["fd00::5"]);
-    s.assigned_by_us = vec!["fd00::5".into()];
+    s.reserved = Some("fd00::5".into());
     let r = decide(&cfg, &[s], &map(&[]), &mut LeakCounts::default());
     let f = only(&r);
     assert_eq!(f.kind, Kind::FamilyNotConfigured);

@@ -299,7 +299,7 @@ pub fn judge(
         cluster_ranges: cluster_ranges.map(|c| c.iter().filter(|r| r.covers(ip)).map(|r| r.to_string()).collect()),
         services: services
             .iter()
-            .map(|s| ServiceFact { namespace: s.namespace.clone(), name: s.name.clone(), cluster_ips: s.cluster_ips.clone(), assigned_by_us: s.assigned_by_us.iter().any(|t| cidr::parse_ip(t).ok() == Some(ip)) })
+            .map(|s| ServiceFact { namespace: s.namespace.clone(), name: s.name.clone(), cluster_ips: s.cluster_ips.clone(), assigned_by_us: s.assigned_by_us().any(|t| cidr::parse_ip(t).ok() == Some(ip)) })
             .collect(),
         ipaddress: object.map(|o| IpAddressFact { parent: o.parent.as_ref().map(ParentRef::to_string), managed_by: o.managed_by, age_seconds: o.age.map(|a| a.as_secs()) }),
         map,

@@ -21,13 +21,14 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, ObjectList, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{debug, info, warn};
 
 use crate::cidr::{self, ServiceCidr};
 use crate::k8s;
 use crate::k8s::ipaddress::{KUBE_APISERVER_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
+pub use crate::k8s::service::ServiceSummary;
 use crate::metrics::Metrics;
 use crate::store::{AllocationStore, BackendKind, ParentRef, StoreError};
 
@@ -422,25 +423,30 @@ impl Repairer {
     }
 }
 
-/// Every Service of every namespace, [`PAGE`] at a time.
+/// Every Service of every namespace, [`PAGE`] at a time, each decoded only as far as the
+/// pass reads it ([`ServiceSummary`]).
 pub async fn list_services(client: &kube::Client, progress: Progress<'_>) -> Result<Vec<ServiceView>, RepairError> {
-    let api: Api<Service> = Api::all(client.clone());
-    list_all(&api, "Services", progress, service_view).await
+    list_all("Services", progress, |lp| service_page(client, lp), summary_view).await
+}
+
+/// One page of every namespace's Services, as [`ServiceSummary`]s.
+async fn service_page(client: &kube::Client, lp: ListParams) -> Result<ObjectList<ServiceSummary>, kube::Error> {
+    let req = kube::core::Request::new(<Service as kube::Resource>::url_path(&(), None)).list(&lp).map_err(kube::Error::BuildRequest)?;
+    client.request(req).await
 }
 
 /// Every IPAddress object, [`PAGE`] at a time.
 pub async fn list_ipaddresses(client: &kube::Client, progress: Progress<'_>) -> Result<Vec<RecordView>, RepairError> {
     let api: Api<IPAddress> = Api::all(client.clone());
     let now = k8s_openapi::jiff::Timestamp::now();
-    list_all(&api, "IPAddresses", progress, |a| record_view(a, now)).await
+    list_all("IPAddresses", progress, |lp| { let api = api.clone(); async move { api.list(&lp).await } }, |a| record_view(a, now)).await
 }
 
 /// Every address the cluster holds: the Services' addresses and the names of every
 /// IPAddress object (read as metadata only, so an object with a garbled spec still counts).
 /// What `clusterip repair --rebuild` rebuilds an unreadable allocation map from.
 pub async fn cluster_addresses(client: &kube::Client) -> Result<BTreeSet<IpAddr>, RepairError> {
-    let services: Api<Service> = Api::all(client.clone());
-    let mut all: BTreeSet<IpAddr> = list_all(&services, "Services", &|_, _| {}, |s| k8s::service::held_ips(&s))
+    let mut all: BTreeSet<IpAddr> = list_all("Services", &|_, _| {}, |lp| service_page(client, lp), |s| s.held_ips())
         .await?
         .into_iter()
         .flatten()
@@ -472,9 +478,11 @@ pub async fn servicecidr_ranges(client: &kube::Client) -> Result<Vec<ServiceCidr
     Ok(out)
 }
 
-async fn list_all<K, V>(api: &Api<K>, what: &'static str, progress: Progress<'_>, convert: impl Fn(K) -> V) -> Result<Vec<V>, RepairError>
+/// Every page `fetch` returns, each item through `convert`.
+async fn list_all<K, V, Page>(what: &'static str, progress: Progress<'_>, fetch: impl Fn(ListParams) -> Page, convert: impl Fn(K) -> V) -> Result<Vec<V>, RepairError>
 where
-    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    K: Clone,
+    Page: std::future::Future<Output = Result<ObjectList<K>, kube::Error>>,
 {
     // A continue token can expire (410 Gone) during a long list: start over, a few times.
     let mut restarts = 0;
@@ -483,7 +491,7 @@ where
         let mut token: Option<String> = None;
         loop {
             let lp = ListParams { limit: Some(PAGE), continue_token: token.clone(), ..Default::default() };
-            let page = match api.list(&lp).await {
+            let page = match fetch(lp).await {
                 Ok(p) => p,
                 Err(kube::Error::Api(s)) if s.code == 410 && restarts < 3 => {
                     restarts += 1;
@@ -505,14 +513,27 @@ where
 /// What the pass needs of a Service.
 pub fn service_view(svc: Service) -> ServiceView {
     let cluster_ips = k8s::service::held_ips(&svc);
-    let assigned_by_us = k8s::annotations::reserved(&svc.metadata);
     ServiceView {
         namespace: svc.metadata.namespace.unwrap_or_default(),
         name: svc.metadata.name.unwrap_or_default(),
         uid: svc.metadata.uid,
         created: svc.metadata.creation_timestamp.map(|t| t.0.as_second()),
         cluster_ips,
-        assigned_by_us,
+        reserved: svc.metadata.annotations.as_ref().and_then(|a| a.get(k8s::annotations::RESERVED)).map(|v| v.as_str().into()),
+    }
+}
+
+/// What the pass needs of a Service listed as a [`ServiceSummary`].
+pub fn summary_view(svc: ServiceSummary) -> ServiceView {
+    let cluster_ips = svc.held_ips();
+    let meta = svc.metadata;
+    ServiceView {
+        namespace: meta.namespace.unwrap_or_default(),
+        name: meta.name.unwrap_or_default(),
+        uid: meta.uid,
+        created: meta.creation_timestamp.map(|t| t.0.as_second()),
+        cluster_ips,
+        reserved: meta.reserved.map(String::into_boxed_str),
     }
 }
 

@@ -13,7 +13,9 @@
 # Prints, per backend, the webhook's own answer latency (p50/p99 from its histograms: from
 # the body in hand, and from the request's headers; RESULT webhook_mutate_latency_<backend>)
 # and the ratio of end-to-end create latency and of the total time with and without it
-# (RESULT create_<q>_<backend>, create_total_<backend>).
+# (RESULT create_<q>_<backend>, create_total_<backend>), and the CPU seconds each process
+# (etcd, kube-apiserver, kube-controller-manager, our controller, the burst client) used in
+# each burst (RESULT create_cpu_<backend> phase=alone|webhook).
 #
 # Like every run: leftovers of killed runs are reaped first, this run and all it starts are in
 # a pids cgroup of its own (scripts/lib/run.sh) and under a memory cap (scripts/lib/run-capped.sh,
@@ -40,6 +42,27 @@ burst=$(cargo bench --quiet --bench webhook_burst --no-run --message-format=json
   jq -r 'select(.executable != null and .target.name == "webhook_burst") | .executable' | tail -n 1)
 [ -x "$burst" ] || { echo "bench-webhook: webhook_burst bench binary not built" >&2; exit 1; }
 get() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" <<<"$2" | head -n 1; }
+# CPU seconds (user + system) each control-plane process has used so far, "name=s ..."
+# (0 for one not running).
+ticks=$(getconf CLK_TCK)
+components="etcd kube-apiserver kube-controller-manager clusterip-controller"
+cpu() {
+  local c pid
+  for c in $components; do
+    pid=$(cat "$CLUSTERIP_CLUSTER_DIR/$c.pid" 2>/dev/null) && [ -r "/proc/$pid/stat" ] || { printf '%s=0 ' "$c"; continue; }
+    # Fields 14 and 15 (utime, stime) counted after the ") " that ends the command name.
+    sed 's/.*) //' "/proc/$pid/stat" | awk -v c="$c" -v t="$ticks" '{ printf "%s=%.1f ", c, ($12 + $13) / t }'
+  done
+}
+# The CPU each process used between two cpu() readings, and the burst's own.
+cpu_used() {
+  local c a b out=""
+  for c in $components; do
+    a=$(get "$c" "$1"); b=$(get "$c" "$2")
+    out+="${c}_s=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.1f", b - a }') "
+  done
+  echo "$out"
+}
 
 for backend in $BACKENDS; do
   export CLUSTERIP_BACKEND=$backend
@@ -50,7 +73,9 @@ for backend in $BACKENDS; do
 
   # Without the webhook: the kube-apiserver's own allocator alone.
   scripts/dev-cluster.sh stop clusterip-controller >/dev/null 2>&1
-  plain=$("$burst" "$KUBECONFIG" bench-plain "$COUNT") || { echo "bench-webhook: $backend: creates failed with the kube-apiserver alone: $plain" >&2; exit 1; }
+  before=$(cpu)
+  plain=$(/usr/bin/time -f 'burst_cpu_s=%U+%S' -o "$CLUSTERIP_CLUSTER_DIR/burst.time" "$burst" "$KUBECONFIG" bench-plain "$COUNT") || { echo "bench-webhook: $backend: creates failed with the kube-apiserver alone: $plain" >&2; exit 1; }
+  plain_cpu="$(cpu_used "$before" "$(cpu)")$(cat "$CLUSTERIP_CLUSTER_DIR/burst.time")"
   echo "# $backend: kube-apiserver alone:  $plain"
   # With it.
   scripts/dev-cluster.sh start clusterip-controller >/dev/null 2>&1
@@ -61,8 +86,14 @@ for backend in $BACKENDS; do
     case "$ip" in 198.19.[0-9].*|198.19.[0-9][0-9].*|198.19.1[01][0-9].*|198.19.12[0-7].*) break ;; esac
     sleep 0.2
   done
-  with=$("$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics") || { echo "bench-webhook: $backend: creates failed with the webhook: $with" >&2; exit 1; }
+  before=$(cpu)
+  with=$(/usr/bin/time -f 'burst_cpu_s=%U+%S' -o "$CLUSTERIP_CLUSTER_DIR/burst.time" "$burst" "$KUBECONFIG" bench-webhook "$COUNT" "$CLUSTERIP_METRICS_URL/metrics") || { echo "bench-webhook: $backend: creates failed with the webhook: $with" >&2; exit 1; }
+  with_cpu="$(cpu_used "$before" "$(cpu)")$(cat "$CLUSTERIP_CLUSTER_DIR/burst.time")"
   echo "# $backend: with clusterip webhook: $(echo "$with" | head -n 1)"
+  # Where the time went: each process's CPU during each burst (2 cores: a burst that keeps
+  # both busy takes as long as the CPU all of them need).
+  echo "RESULT create_cpu_$backend phase=alone $plain_cpu"
+  echo "RESULT create_cpu_$backend phase=webhook $with_cpu"
   mp50=$(get webhook_mutate_p50_ms "$with"); mp99=$(get webhook_mutate_p99_ms "$with")
   vp50=$(get webhook_validate_p50_ms "$with"); vp99=$(get webhook_validate_p99_ms "$with")
   echo "RESULT webhook_mutate_latency_$backend p50_ms=$mp50 p99_ms=$mp99 target_p99_ms=2"

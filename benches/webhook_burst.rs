@@ -147,18 +147,12 @@ async fn main() -> anyhow::Result<()> {
     // part of the Services deleted — 4,000 of 15,000 here — so it is sent again until none is
     // left.)
     let cleanup = Instant::now();
-    let mut left = usize::MAX;
-    while cleanup.elapsed() < Duration::from_secs(1800) {
+    let mut left = None;
+    while cleanup.elapsed() < Duration::from_secs(1800) && left != Some(0) {
         let _ = api.delete_collection(&DeleteParams::default(), &ListParams::default()).await;
-        left = match api.list(&ListParams::default().limit(1)).await {
-            Ok(l) => l.items.len(),
-            Err(_) => left,
-        };
-        if left == 0 {
-            break;
-        }
+        left = api.list(&ListParams::default().limit(1)).await.map(|l| l.items.len()).ok().or(left);
     }
-    println!("cleanup_s={:.1} left={}", cleanup.elapsed().as_secs_f64(), if left == usize::MAX { "unknown".to_string() } else { left.to_string() });
+    println!("cleanup_s={:.1} left={}", cleanup.elapsed().as_secs_f64(), left.map_or("unknown".to_string(), |n| n.to_string()));
     if failed > 0 {
         anyhow::bail!("{failed} of {count} creates failed");
     }

@@ -223,7 +223,7 @@ impl Book {
     /// The source's handshake semaphore, a reference to it counted until dropped.
     fn handshakes_of(self: &Arc<Self>, source: IpAddr) -> SourceHandshakes {
         let sem = lock(&self.handshakes).entry(source).or_insert_with(|| Arc::new(Semaphore::new(self.per_source))).clone();
-        SourceHandshakes { book: self.clone(), source, sem: Some(sem) }
+        SourceHandshakes { book: self.clone(), source, sem }
     }
 
     /// Resolves after a connection closes or a request ends (or at once if one did since
@@ -243,14 +243,14 @@ impl Book {
 struct SourceHandshakes {
     book: Arc<Book>,
     source: IpAddr,
-    sem: Option<Arc<Semaphore>>,
+    sem: Arc<Semaphore>,
 }
 
 impl Drop for SourceHandshakes {
     fn drop(&mut self) {
         let mut all = lock(&self.book.handshakes);
-        drop(self.sem.take());
-        if all.get(&self.source).is_some_and(|s| Arc::strong_count(s) == 1 && s.available_permits() == self.book.per_source) {
+        // (Held by the book and this reference alone: nobody of the source holds or waits.)
+        if all.get(&self.source).is_some_and(|s| Arc::ptr_eq(s, &self.sem) && Arc::strong_count(s) == 2 && s.available_permits() == self.book.per_source) {
             all.remove(&self.source);
         }
     }
@@ -280,10 +280,7 @@ impl Slot {
     pub(super) async fn handshake_turn(&self) -> Turn {
         let source = self.book.handshakes_of(self.source);
         // (Acquiring fails only on a closed semaphore, and these are never closed.)
-        let permit = match &source.sem {
-            Some(sem) => sem.clone().acquire_owned().await.ok(),
-            None => None,
-        };
+        let permit = source.sem.clone().acquire_owned().await.ok();
         Turn { _permit: permit, _source: source }
     }
 
@@ -323,6 +320,13 @@ impl Drop for Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn admitted(a: Admission, otherwise: &str) -> Slot {
+        match a {
+            Admission::Admitted { slot, .. } => slot,
+            _ => panic!("{otherwise}"),
+        }
+    }
 
     fn ip(s: &str) -> IpAddr {
         s.parse().expect("test address")
@@ -389,10 +393,7 @@ mod tests {
     #[tokio::test]
     async fn a_tls_source_over_its_share_waits_for_a_handshake_turn_instead_of_being_closed() {
         let book = Book::new(100, 2, true);
-        let slot = |a: Admission| match a {
-            Admission::Admitted { slot, .. } => slot,
-            _ => panic!("a TLS server closed a connection at its source's share"),
-        };
+        let slot = |a| admitted(a, "a TLS server closed a connection at its source's share");
         let a = ip("198.18.0.1");
         let slots: Vec<Slot> = (0..4).map(|_| slot(book.admit(a))).collect();
         let first = slots[0].handshake_turn().await;
@@ -433,10 +434,7 @@ mod tests {
     #[tokio::test]
     async fn a_full_book_closes_an_idle_connection_for_a_newcomer_and_waits_only_when_all_are_busy() {
         let book = Book::new(2, 10, false);
-        let slot = |a: Admission| match a {
-            Admission::Admitted { slot, .. } => slot,
-            _ => panic!("not admitted"),
-        };
+        let slot = |a| admitted(a, "not admitted");
         let first = slot(book.admit(ip("198.18.0.66")));
         let second = slot(book.admit(ip("198.18.0.66")));
         // The newcomer takes an idle one's place; the chosen one is told.

@@ -34,6 +34,12 @@ fn written_ips(cluster_ip: Option<&str>, cluster_ips: Option<&[String]>) -> Vec<
     }
 }
 
+/// The addresses held, of those written: "None" and empty values dropped.
+fn held(mut written: Vec<String>) -> Vec<String> {
+    written.retain(|s| !s.is_empty() && s != HEADLESS);
+    written
+}
+
 /// Of a Service as a list returns it, only what a pass over every Service reads (the repair
 /// pass, `clusterip what-if`, `repair --rebuild`): decoded straight from the list's JSON,
 /// everything else (managedFields, ports, selector, status) skipped without being built.
@@ -69,9 +75,19 @@ pub struct SummarySpec {
 impl ServiceSummary {
     /// [`held_ips`] of the Service.
     pub fn held_ips(&self) -> Vec<String> {
-        let mut ips = written_ips(self.spec.cluster_ip.as_deref(), self.spec.cluster_ips.as_deref());
-        ips.retain(|s| !s.is_empty() && s != HEADLESS);
-        ips
+        held(written_ips(self.spec.cluster_ip.as_deref(), self.spec.cluster_ips.as_deref()))
+    }
+}
+
+/// The summary of a Service already decoded whole (a namespace's list in `explain`).
+impl From<Service> for ServiceSummary {
+    fn from(svc: Service) -> Self {
+        let m = svc.metadata;
+        let reserved = m.annotations.and_then(|mut a| a.remove(super::annotations::RESERVED));
+        ServiceSummary {
+            metadata: SummaryMeta { name: m.name, namespace: m.namespace, uid: m.uid, creation_timestamp: m.creation_timestamp, reserved },
+            spec: svc.spec.map(|s| SummarySpec { cluster_ip: s.cluster_ip, cluster_ips: s.cluster_ips }).unwrap_or_default(),
+        }
     }
 }
 
@@ -130,9 +146,7 @@ impl<'de> Deserialize<'de> for IsReserved {
 /// The addresses a Service holds, as written: [`cluster_ips`] without "None" and empty
 /// values. An ExternalName Service stored by the apiserver has none.
 pub fn held_ips(svc: &Service) -> Vec<String> {
-    let mut ips = svc.spec.as_ref().map(cluster_ips).unwrap_or_default();
-    ips.retain(|s| !s.is_empty() && s != HEADLESS);
-    ips
+    held(svc.spec.as_ref().map(cluster_ips).unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -510,17 +510,9 @@ where
     }
 }
 
-/// What the pass needs of a Service.
+/// What the pass needs of a Service decoded whole.
 pub fn service_view(svc: Service) -> ServiceView {
-    let cluster_ips = k8s::service::held_ips(&svc);
-    ServiceView {
-        namespace: svc.metadata.namespace.unwrap_or_default(),
-        name: svc.metadata.name.unwrap_or_default(),
-        uid: svc.metadata.uid,
-        created: svc.metadata.creation_timestamp.map(|t| t.0.as_second()),
-        cluster_ips,
-        reserved: svc.metadata.annotations.as_ref().and_then(|a| a.get(k8s::annotations::RESERVED)).map(|v| v.as_str().into()),
-    }
+    summary_view(svc.into())
 }
 
 /// What the pass needs of a Service listed as a [`ServiceSummary`].
